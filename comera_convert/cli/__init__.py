@@ -1,0 +1,43 @@
+"""The `comera` command: a thin click shell over the library.
+
+Each subcommand lives in its own module and imports the heavy parts (torch, transformers)
+lazily, so `comera --help` is instant. Library errors become one red line and exit code 1.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from .. import __version__
+from ..errors import ComeraError
+
+
+class ComeraGroup(click.Group):
+    """A click group that turns comera_convert's errors into one line and a non-zero exit."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except ComeraError as err:
+            from .console import error_console
+
+            error_console().print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
+            sys.exit(1)
+
+
+@click.group(cls=ComeraGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="comera")
+def main() -> None:
+    """Tensor-train compression of Hugging Face models (CoMERA).
+
+    Convert a model with `comera convert`, inspect it with `comera report`.
+    """
+
+
+def _register() -> None:
+    from . import commands  # noqa: F401  (registers the subcommands on `main`)
+
+
+_register()

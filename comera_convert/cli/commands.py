@@ -1,0 +1,1 @@
+"""Subcommands of `comera` (registered on import)."""

@@ -1,0 +1,7 @@
+"""nn.Modules over the TT math: thin wrappers that hold cores and rank gates."""
+
+from .base import TTModule
+from .tt_embedding import TTEmbedding
+from .tt_linear import TTLinear
+
+__all__ = ["TTEmbedding", "TTLinear", "TTModule"]

@@ -1,0 +1,84 @@
+"""TTEmbedding: a drop-in for nn.Embedding whose table is a TT matrix (ttm layout by default)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import expected
+from ..tt import embedding_rows, matrix_to_cores
+from ..tt.counting import embedding_lookup_flops, ttm_split
+from ..tt.spec import TTSpec
+from .base import TTModule
+from .tt_linear import DEFAULT_ORDER, DEFAULT_RANK
+
+
+class TTEmbedding(TTModule):
+    """Looks up rows of a (num_embeddings x embedding_dim) table held as TT cores.
+
+    A lookup computes only the requested rows: both half-products of the cores are built once per
+    call and each row is a gathered slice of one times a slice of the other (as CoMERA does).
+    ``padding_idx`` behaves as in nn.Embedding: its row gets no gradient.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *,
+                 rank=DEFAULT_RANK, layout: str = "ttm", d: int = DEFAULT_ORDER,
+                 row_modes=None, col_modes=None, gates: bool = True, device=None, dtype=None):
+        super().__init__()
+        for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(expected(f"{name} as a positive int", value))
+        if padding_idx is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(expected(f"padding_idx within [-{num_embeddings}, {num_embeddings})",
+                                          padding_idx))
+            padding_idx %= num_embeddings
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.padding_idx = padding_idx
+        spec = TTSpec.plan(num_embeddings, embedding_dim, rank, layout=layout, d=d,
+                           row_modes=row_modes, col_modes=col_modes)
+        self._init_factors(spec, gates, device=device, dtype=dtype)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        self._random_init(target_std=1.0)  # nn.Embedding draws its table from N(0, 1)
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, rank=DEFAULT_RANK, layout: str = "ttm",
+                       row_modes=None, col_modes=None, d: int = DEFAULT_ORDER, gates: bool = True,
+                       decompose=matrix_to_cores) -> "TTEmbedding":
+        """A TTEmbedding initialized from a dense table by TTM-SVD (or TT-SVD), same device and dtype."""
+        if not isinstance(embedding, nn.Embedding):
+            raise TypeError(expected("an nn.Embedding", type(embedding).__name__))
+        weight = embedding.weight
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx,
+                    rank=rank, layout=layout, d=d, row_modes=row_modes, col_modes=col_modes,
+                    gates=gates, device=weight.device, dtype=weight.dtype)
+        layer._load_cores(decompose(weight.detach(), layer.spec))
+        return layer
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dense table, built on demand (for code that reads ``embedding.weight``)."""
+        return self.dense_matrix()
+
+    def forward(self, indices: torch.Tensor) -> torch.Tensor:
+        if indices.dtype not in (torch.int64, torch.int32):
+            raise TypeError(expected("integer token indices", indices.dtype))
+        if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= self.num_embeddings):
+            raise IndexError(expected(f"indices in [0, {self.num_embeddings})",
+                                      (int(indices.min()), int(indices.max()))))
+        spec = self.spec
+        split = 0
+        if spec.layout == "ttm":
+            split = ttm_split(spec, indices.numel(), cost=embedding_lookup_flops)
+        rows = embedding_rows(indices.long(), self.gated_cores(), spec, split)
+        if self.padding_idx is not None and self.training:
+            is_pad = (indices == self.padding_idx).unsqueeze(-1)
+            rows = torch.where(is_pad, rows.detach(), rows)
+        return rows
+
+    def extra_repr(self) -> str:
+        pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
+        return f"{self.num_embeddings}, {self.embedding_dim}{pad}, {self._tt_repr()}"

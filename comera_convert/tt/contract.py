@@ -1,0 +1,125 @@
+"""Contractions of TT matrices with inputs: the forward passes of TT layers, as plain functions.
+
+None of these materializes the dense matrix. The tt layout merges its row half into an R x r
+matrix and its column half into an r x C matrix (cheap: they do not depend on the batch), then
+runs two skinny GEMMs, x -> x L -> x L R, as CoMERA does. The ttm layout merges cores 1..h and
+h+1..d into two half tensors A (R_1, C_1, r) and B (r, R_2, C_2) and contracts the input with
+B, then A; embeddings gather rows from the same halves.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .spec import TTSpec
+
+
+def apply_gates(cores: list[torch.Tensor], gates) -> list[torch.Tensor]:
+    """Scale each core's right bond by its diagonal gate (CoMERA's rank controls)."""
+    if gates is None:
+        return list(cores)
+    gated = [core * gate for core, gate in zip(cores, gates)]  # gate broadcasts over the last axis
+    return gated + [cores[-1]]
+
+
+def merge_left(cores: list[torch.Tensor]) -> torch.Tensor:
+    """Contract 3-way cores G_1..G_k (r_0 = 1) into a (s_1 ... s_k) x r_k matrix."""
+    result = cores[0].reshape(-1, cores[0].shape[-1])
+    for core in cores[1:]:
+        r, s, r_next = core.shape
+        result = (result @ core.reshape(r, s * r_next)).reshape(-1, r_next)
+    return result
+
+
+def merge_right(cores: list[torch.Tensor]) -> torch.Tensor:
+    """Contract 3-way cores G_k..G_K (r_K = 1) into an r_{k-1} x (s_k ... s_K) matrix."""
+    result = cores[-1].reshape(cores[-1].shape[0], -1)
+    for core in reversed(cores[:-1]):
+        r_prev, s, r = core.shape
+        result = (core.reshape(r_prev * s, r) @ result).reshape(r_prev, -1)
+    return result
+
+
+def tt_halves(cores: list[torch.Tensor], spec: TTSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row half (R x r) and column half (r x C) of a tt-layout matrix, padding sliced off."""
+    left = merge_left(cores[: spec.split])[: spec.rows]
+    right = merge_right(cores[spec.split:])[:, : spec.cols]
+    return left, right
+
+
+def tt_linear(x: torch.Tensor, cores: list[torch.Tensor], spec: TTSpec) -> torch.Tensor:
+    """x (..., R) -> x M (..., C) for the tt layout: two skinny GEMMs through the rank-r bond."""
+    left, right = tt_halves(cores, spec)
+    return (x @ left) @ right
+
+
+def _merge_ttm_left(cores: list[torch.Tensor]) -> torch.Tensor:
+    """4-way cores 1..h -> A of shape (R_1, C_1, r_h)."""
+    first = cores[0]
+    acc = first.reshape(first.shape[1], first.shape[2], first.shape[3])
+    for core in cores[1:]:
+        r, m, n, r_next = core.shape
+        rows, cols = acc.shape[0], acc.shape[1]
+        acc = (acc.reshape(rows * cols, r) @ core.reshape(r, m * n * r_next))
+        acc = acc.reshape(rows, cols, m, n, r_next).permute(0, 2, 1, 3, 4)
+        acc = acc.reshape(rows * m, cols * n, r_next)
+    return acc
+
+
+def _merge_ttm_right(cores: list[torch.Tensor]) -> torch.Tensor:
+    """4-way cores h+1..d -> B of shape (r_h, R_2, C_2)."""
+    last = cores[-1]
+    acc = last.reshape(last.shape[0], last.shape[1], last.shape[2])
+    for core in reversed(cores[:-1]):
+        r_prev, m, n, r = core.shape
+        rows, cols = acc.shape[1], acc.shape[2]
+        acc = core.reshape(r_prev * m * n, r) @ acc.reshape(r, rows * cols)
+        acc = acc.reshape(r_prev, m, n, rows, cols).permute(0, 1, 3, 2, 4)
+        acc = acc.reshape(r_prev, m * rows, n * cols)
+    return acc
+
+
+def ttm_halves(cores: list[torch.Tensor], h: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (R_1, C_1, r_h) from cores 1..h and B (r_h, R_2, C_2) from cores h+1..d."""
+    return _merge_ttm_left(cores[:h]), _merge_ttm_right(cores[h:])
+
+
+def ttm_linear(x: torch.Tensor, cores: list[torch.Tensor], spec: TTSpec, h: int) -> torch.Tensor:
+    """x (..., R) -> x M (..., C) for the ttm layout, split after core h."""
+    a, b = ttm_halves(cores, h)
+    rows_l, cols_l, rank = a.shape
+    _, rows_r, cols_r = b.shape
+    lead = x.shape[:-1]
+    x = x.reshape(-1, x.shape[-1])
+    if spec.padded_rows != spec.rows:
+        x = torch.nn.functional.pad(x, (0, spec.padded_rows - spec.rows))
+    tokens = x.shape[0]
+    # t[t, a, r, c] = sum_b x[t, a, b] B[r, b, c]
+    t = x.reshape(tokens * rows_l, rows_r) @ b.permute(1, 0, 2).reshape(rows_r, rank * cols_r)
+    # y[t, e, c] = sum_{a, r} t[t, a, r, c] A[a, e, r]
+    t = t.reshape(tokens, rows_l * rank, cols_r).transpose(1, 2)
+    y = t @ a.permute(0, 2, 1).reshape(rows_l * rank, cols_l)
+    y = y.transpose(1, 2).reshape(tokens, spec.padded_cols)[:, : spec.cols]
+    return y.reshape(*lead, spec.cols)
+
+
+def embedding_rows(indices: torch.Tensor, cores: list[torch.Tensor], spec: TTSpec,
+                   h: int) -> torch.Tensor:
+    """Rows M[indices] (shape indices.shape + (C,)) without building the full table.
+
+    Both halves are computed once; each requested row is then a product of a gathered slice of
+    the row half and one of the column half. Repeated indices share that work.
+    """
+    flat = indices.reshape(-1)
+    unique, inverse = torch.unique(flat, return_inverse=True)
+    if spec.layout == "tt":
+        left = merge_left(cores[: spec.split])
+        right = merge_right(cores[spec.split:])[:, : spec.cols]
+        rows = left.index_select(0, unique) @ right
+    else:
+        a, b = ttm_halves(cores, h)
+        rows_r = b.shape[1]
+        left = a.index_select(0, unique // rows_r)               # (U, C_1, r)
+        right = b.index_select(1, unique % rows_r).transpose(0, 1)  # (U, r, C_2)
+        rows = (left @ right).reshape(unique.shape[0], -1)[:, : spec.cols]
+    return rows.index_select(0, inverse).reshape(*indices.shape, spec.cols)

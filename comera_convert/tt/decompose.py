@@ -1,0 +1,161 @@
+"""TT-SVD and TTM-SVD: tensor-train cores from a dense matrix, and the dense matrix back.
+
+TT-SVD (Oseledets, "Tensor-Train Decomposition", SIAM J. Sci. Comput. 2011, Alg. 1) sweeps
+left to right: unfold what is left into (r_{k-1} s_k) x (rest), keep the top r_k singular
+vectors as core k, carry S V^T on. The error obeys ||A - A_tt||_F^2 <= sum_k eps_k^2, with
+eps_k the discarded singular values of the k-th unfolding.
+
+This is the direct torch.linalg.svd implementation; tensorly's ``tensor_train`` and
+``tensor_train_matrix`` (see ``reference.py``) are the reference it is tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import ShapeError, expected
+from .spec import TTSpec
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Decompositions run in float64 for float64 input and in float32 for everything else."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# An unfolding at least this many times wider than tall takes its left singular vectors from the
+# eigenvectors of its Gram matrix A A^T (m^2 n work) instead of a full SVD (about 4 m^2 n with a
+# large constant): 30522 x 768 at ranks 30 drops from 13.8 s to well under a second.
+GRAM_WIDTH_RATIO = 4
+
+
+def left_singular_vectors(unfolding: torch.Tensor, rank: int) -> torch.Tensor:
+    """The top ``rank`` left singular vectors of an m x n matrix (m x rank, orthonormal)."""
+    m, n = unfolding.shape
+    rank = min(rank, m, n)
+    if n >= GRAM_WIDTH_RATIO * m:
+        # Gram route: the m x m eigenproblem is solved in float64, where its small size makes it cheap.
+        gram = (unfolding @ unfolding.T).double()
+        _, vectors = torch.linalg.eigh(gram)  # ascending eigenvalues
+        return vectors[:, -rank:].flip(-1).to(unfolding.dtype)
+    u, _, _ = torch.linalg.svd(unfolding, full_matrices=False)
+    return u[:, :rank]
+
+
+def tt_svd(tensor: torch.Tensor, ranks) -> list[torch.Tensor]:
+    """Cores (r_{k-1}, s_k, r_k) of a tensor of shape (s_1, ..., s_K) with bond ranks <= ranks."""
+    modes = tensor.shape
+    if len(ranks) != len(modes) - 1:
+        raise ShapeError(expected(f"{len(modes) - 1} ranks for a tensor of order {len(modes)}", ranks))
+    cores = []
+    rest = tensor
+    r_prev = 1
+    for k, s in enumerate(modes[:-1]):
+        # Step k: unfold into (r_{k-1} s_k) x (remaining modes), keep its top r_k left singular
+        # vectors as core k and carry the projection U^T A (= S V^T of the truncated SVD) on.
+        unfolding = rest.reshape(r_prev * s, -1)
+        u = left_singular_vectors(unfolding, int(ranks[k]))
+        r = u.shape[1]
+        cores.append(u.reshape(r_prev, s, r))
+        rest = u.T @ unfolding
+        r_prev = r
+    cores.append(rest.reshape(r_prev, modes[-1], 1))
+    return cores
+
+
+def contract_chain(cores: list[torch.Tensor]) -> torch.Tensor:
+    """The full tensor (s_1, ..., s_K) of a chain of 3-way cores (r_{k-1}, s_k, r_k)."""
+    result = cores[0].reshape(cores[0].shape[1], -1)  # r_0 = 1
+    modes = [cores[0].shape[1]]
+    for core in cores[1:]:
+        r, s, r_next = core.shape
+        result = (result @ core.reshape(r, s * r_next)).reshape(-1, r_next)
+        modes.append(s)
+    return result.reshape(modes)
+
+
+def _check_matrix(matrix: torch.Tensor, spec: TTSpec) -> None:
+    if matrix.dim() != 2 or tuple(matrix.shape) != (spec.rows, spec.cols):
+        raise ShapeError(expected(f"a {spec.rows} x {spec.cols} matrix", tuple(matrix.shape)))
+
+
+def _padded(matrix: torch.Tensor, spec: TTSpec) -> torch.Tensor:
+    """Zero-pad the matrix up to prod(row_modes) x prod(col_modes)."""
+    pad_rows, pad_cols = spec.padded_rows - spec.rows, spec.padded_cols - spec.cols
+    if pad_rows or pad_cols:
+        matrix = torch.nn.functional.pad(matrix, (0, pad_cols, 0, pad_rows))
+    return matrix
+
+
+def _interleave(matrix: torch.Tensor, spec: TTSpec) -> torch.Tensor:
+    """(R, C) -> (m_1 n_1, ..., m_d n_d), the order TTM-SVD decomposes."""
+    d = len(spec.row_modes)
+    tensor = matrix.reshape(spec.row_modes + spec.col_modes)
+    order = [i for k in range(d) for i in (k, d + k)]
+    return tensor.permute(order).reshape(spec.bond_modes)
+
+
+def _deinterleave(tensor: torch.Tensor, spec: TTSpec) -> torch.Tensor:
+    """(m_1, n_1, ..., m_d, n_d) -> (R, C): the inverse of ``_interleave``."""
+    d = len(spec.row_modes)
+    pairs = [m for pair in zip(spec.row_modes, spec.col_modes) for m in pair]
+    order = [2 * k for k in range(d)] + [2 * k + 1 for k in range(d)]
+    return tensor.reshape(pairs).permute(order).reshape(spec.padded_rows, spec.padded_cols)
+
+
+def matrix_to_cores(matrix: torch.Tensor, spec: TTSpec) -> list[torch.Tensor]:
+    """Decompose an R x C matrix into the cores of ``spec`` (TT-SVD or TTM-SVD by layout).
+
+    Runs in float32 (float64 for float64 input) and returns cores in the input's dtype. Ranks
+    come out as spec.ranks or smaller where the matrix has lower rank at a bond; callers that
+    need exact shapes pad with ``pad_cores``.
+    """
+    _check_matrix(matrix, spec)
+    work = _padded(matrix.detach().to(compute_dtype(matrix.dtype)), spec)
+    if spec.layout == "tt":
+        cores = tt_svd(work.reshape(spec.bond_modes), spec.ranks)
+    else:
+        flat = tt_svd(_interleave(work, spec), spec.ranks)
+        cores = [c.reshape(c.shape[0], m, n, c.shape[2])
+                 for c, m, n in zip(flat, spec.row_modes, spec.col_modes)]
+    return pad_cores([c.to(matrix.dtype) for c in cores], spec)
+
+
+def pad_cores(cores: list[torch.Tensor], spec: TTSpec) -> list[torch.Tensor]:
+    """Zero-pad cores whose bonds came out smaller than spec.ranks (a rank-deficient matrix)."""
+    padded = []
+    for core, shape in zip(cores, spec.core_shapes()):
+        if tuple(core.shape) != shape:
+            grown = core.new_zeros(shape)
+            grown[tuple(slice(0, s) for s in core.shape)] = core
+            core = grown
+        padded.append(core.contiguous())
+    return padded
+
+
+def cores_to_matrix(cores: list[torch.Tensor], spec: TTSpec) -> torch.Tensor:
+    """The R x C matrix the cores of ``spec`` represent (padding sliced off)."""
+    if spec.layout == "tt":
+        full = contract_chain(cores).reshape(spec.padded_rows, spec.padded_cols)
+    else:
+        flat = [c.reshape(c.shape[0], c.shape[1] * c.shape[2], c.shape[3]) for c in cores]
+        full = _deinterleave(contract_chain(flat), spec)
+    return full[: spec.rows, : spec.cols]
+
+
+def unfolding_tail_bound(matrix: torch.Tensor, spec: TTSpec) -> float:
+    """The TT-SVD error bound sqrt(sum_k eps_k^2) for this matrix and spec.
+
+    eps_k is the norm of the singular values the k-th unfolding of the (padded, for ttm
+    interleaved) tensor loses when truncated to rank r_k.
+    """
+    work = _padded(matrix.detach().to(torch.float64), spec)
+    tensor = work.reshape(spec.bond_modes) if spec.layout == "tt" else _interleave(work, spec)
+    modes = spec.bond_modes
+    total = 0.0
+    for k, r in enumerate(spec.ranks):
+        left = 1
+        for s in modes[: k + 1]:
+            left *= s
+        sv = torch.linalg.svdvals(tensor.reshape(left, -1))
+        total += float((sv[r:] ** 2).sum())
+    return total ** 0.5
