@@ -32,8 +32,14 @@ class ComeraGroup(click.Group):
 def main() -> None:
     """Tensor-train compression of Hugging Face models (CoMERA).
 
-    Convert a model with `comera convert`, inspect it with `comera report`.
+    Convert a model with `comera convert`, inspect it with `comera report`,
+    get a dense checkpoint back with `comera decompress`.
     """
+    import os
+
+    # transformers' own tqdm bars would interleave with ours.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 def _register() -> None:

@@ -1,1 +1,112 @@
-"""Subcommands of `comera` (registered on import)."""
+"""Subcommands of `comera`: thin shells over the library (registered on import)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import click
+
+from . import main
+from .console import console
+
+
+def _patterns(value: str | None):
+    return [p.strip() for p in value.split(",") if p.strip()] if value else None
+
+
+def _default_out(model: str, ratio, rank) -> str:
+    stem = Path(model.rstrip("/")).name or "model"
+    return f"{stem}-tt{ratio:g}" if rank is None else f"{stem}-rank{rank}"
+
+
+@main.command()
+@click.argument("model")
+@click.option("--ratio", type=float, default=None, help="Shrink the whole model this many times [default: 4].")
+@click.option("--rank", type=int, default=None, help="A fixed max rank for every layer instead of --ratio.")
+@click.option("--layout", default=None, help="Layout of linear layers: tt (CoMERA) or ttm [default: tt].")
+@click.option("--embedding-layout", default=None, help="Layout of embeddings [default: ttm].")
+@click.option("--modes", "d", type=int, default=None, help="Tensor modes per side, 2 to 4 [default: 3].")
+@click.option("--targets", default=None, help="Comma-separated module-name patterns to convert.")
+@click.option("--exclude", default=None, help="Comma-separated module-name patterns to keep dense.")
+@click.option("--no-gates", is_flag=True, default=False, help="Leave out the rank gates (no rank adaptation).")
+@click.option("--recipe", type=click.Path(dir_okay=False), default=None,
+              help="A YAML conversion recipe; options given here override it.")
+@click.option("--task", type=click.Choice(["base", "mlm", "clm", "seq-cls"]), default=None,
+              help="Load the model with this head [default: its recorded architecture].")
+@click.option("--out", type=click.Path(), default=None, help="Output directory [default: <model>-tt<ratio>].")
+@click.option("--overwrite", is_flag=True, help="Replace a non-empty output directory.")
+def convert(model, ratio, rank, layout, embedding_layout, d, targets, exclude, no_gates, recipe, task, out,
+            overwrite):
+    """Convert MODEL (directory, hub id or alias such as minilm, bert-base) to a TT checkpoint."""
+    from ..recipes import convert_options
+    from ..workflows import convert_checkpoint
+
+    overrides = {"ratio": ratio, "rank": rank, "layout": layout, "embedding_layout": embedding_layout, "d": d,
+                 "targets": _patterns(targets), "exclude": _patterns(exclude),
+                 "gates": False if no_gates else None}
+    options = convert_options(recipe, overrides)
+    out = out or _default_out(model, options.ratio, options.rank)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console(), transient=True) as bar:
+        task_id = bar.add_task("loading", total=None)
+
+        def on_module(name, index, total):
+            bar.update(task_id, description=f"converting {name}", completed=index, total=total)
+
+        result = convert_checkpoint(model, options, out, task=task, overwrite=overwrite, progress=on_module)
+    _print_conversion(result)
+
+
+def _print_conversion(result) -> None:
+    from .render import modules_table, totals_table
+
+    out = console()
+    out.print(modules_table(result.report))
+    out.print(totals_table(result.report, result.disk_bytes))
+    t = result.timings
+    out.print(f"[green]wrote[/] {result.out}  (load {t['load']:.1f} s, convert {t['convert']:.1f} s, "
+              f"save {t['save']:.1f} s)")
+
+
+@main.command()
+@click.argument("models", nargs=-1, required=True)
+@click.option("--compare", is_flag=True, help="Show the models side by side.")
+@click.option("--by-module", is_flag=True, help="One row per module instead of per block type.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+def report(models, compare, by_module, as_json):
+    """Show what was compressed in MODELS and by how much."""
+    from ..inspect import inspect_checkpoint
+
+    infos = [inspect_checkpoint(m) for m in models]
+    if as_json:
+        click.echo(json.dumps([i.to_dict() for i in infos] if len(infos) > 1 else infos[0].to_dict(), indent=2))
+        return
+    from .render import compare_table, modules_table, totals_table
+
+    out = console()
+    if compare or len(infos) > 1:
+        out.print(compare_table(infos))
+        return
+    info = infos[0]
+    if info.report is None:
+        out.print(f"{info.name}: {info.model_type}, {info.params:,} parameters, not compressed")
+        return
+    out.print(modules_table(info.report, by_block=not by_module))
+    out.print(totals_table(info.report, info.disk_bytes))
+
+
+@main.command()
+@click.argument("model")
+@click.option("--out", type=click.Path(), required=True, help="Directory for the dense checkpoint.")
+@click.option("--overwrite", is_flag=True, help="Replace a non-empty output directory.")
+def decompress(model, out, overwrite):
+    """Write an ordinary dense checkpoint of a compressed MODEL."""
+    from ..workflows import decompress_checkpoint
+
+    start = time.perf_counter()
+    path = decompress_checkpoint(model, out, overwrite=overwrite)
+    console().print(f"[green]wrote[/] dense checkpoint {path} in {time.perf_counter() - start:.1f} s")

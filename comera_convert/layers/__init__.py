@@ -3,5 +3,6 @@
 from .base import TTModule
 from .tt_embedding import TTEmbedding
 from .tt_linear import TTLinear
+from .tied_head import TiedTTHead
 
-__all__ = ["TTEmbedding", "TTLinear", "TTModule"]
+__all__ = ["TTEmbedding", "TTLinear", "TTModule", "TiedTTHead"]

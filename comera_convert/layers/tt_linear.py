@@ -43,6 +43,7 @@ class TTLinear(TTModule):
                 raise ValueError(expected(f"{name} as a positive int", value))
         self.in_features = in_features
         self.out_features = out_features
+        self.dense_class = "Linear"
         spec = TTSpec.plan(in_features, out_features, rank, layout=layout, d=d,
                            row_modes=in_modes, col_modes=out_modes)
         self._init_factors(spec, gates, device=device, dtype=dtype)
@@ -69,6 +70,7 @@ class TTLinear(TTModule):
         layer = cls(in_features, out_features, bias=bias is not None, rank=rank, layout=layout, d=d,
                     in_modes=in_modes, out_modes=out_modes, gates=gates,
                     device=weight.device, dtype=weight.dtype)
+        layer.dense_class = type(linear).__name__  # "Linear", or "Conv1D" to decompress back to
         layer._load_cores(decompose(weight.detach().t(), layer.spec))
         if bias is not None:
             with torch.no_grad():
@@ -78,6 +80,12 @@ class TTLinear(TTModule):
     def dense_weight(self) -> torch.Tensor:
         """The (out_features, in_features) weight the layer represents, like nn.Linear.weight."""
         return self.dense_matrix().t()
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dense weight, built on demand, for code that reads ``linear.weight`` (a copy: writing
+        to it changes nothing)."""
+        return self.dense_weight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:

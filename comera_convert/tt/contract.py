@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .counting import ttm_split
 from .spec import TTSpec
 
 
@@ -123,3 +124,22 @@ def embedding_rows(indices: torch.Tensor, cores: list[torch.Tensor], spec: TTSpe
         right = b.index_select(1, unique % rows_r).transpose(0, 1)  # (U, r, C_2)
         rows = (left @ right).reshape(unique.shape[0], -1)[:, : spec.cols]
     return rows.index_select(0, inverse).reshape(*indices.shape, spec.cols)
+
+
+
+def ttm_transpose(cores: list[torch.Tensor], spec: TTSpec) -> tuple[list[torch.Tensor], TTSpec]:
+    """Cores and spec of M^T for a ttm matrix: each core's row and column axes swapped (views)."""
+    t_spec = TTSpec("ttm", spec.cols, spec.rows, spec.col_modes, spec.row_modes, spec.ranks)
+    return [c.permute(0, 2, 1, 3) for c in cores], t_spec
+
+
+def linear_transposed(x: torch.Tensor, cores: list[torch.Tensor], spec: TTSpec) -> torch.Tensor:
+    """x (..., C) -> x M^T (..., R): a tied output head over an embedding's cores.
+
+    tt: x R^T L^T through the two halves. ttm: the transposed chain, contracted as a linear.
+    """
+    if spec.layout == "tt":
+        left, right = tt_halves(cores, spec)
+        return (x @ right.T) @ left.T
+    t_cores, t_spec = ttm_transpose(cores, spec)
+    return ttm_linear(x, t_cores, t_spec, ttm_split(t_spec, x.numel() // spec.cols))

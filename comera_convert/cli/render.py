@@ -1,0 +1,71 @@
+"""Rich tables for reports (the CLI's only presentation code)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from rich.table import Table
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
+def _ranks_text(ranks) -> str:
+    return ", ".join(map(str, ranks)) if ranks else "shared"
+
+
+def modules_table(report, by_block: bool = True) -> Table:
+    """Per module (or per block type, layer numbers folded) original vs compressed parameters."""
+    table = Table(title=f"{report.model_class}: converted modules", title_justify="left")
+    for column, justify in (("module", "left"), ("kind", "left"), ("layout", "left"), ("shape", "right"),
+                            ("ranks", "left"), ("count", "right"), ("dense params", "right"),
+                            ("TT params", "right"), ("ratio", "right")):
+        table.add_column(column, justify=justify)
+    groups = defaultdict(list)
+    for row in report.modules:
+        groups[row.block if by_block else row.name].append(row)
+    for key, rows in groups.items():
+        first = rows[0]
+        dense = sum(r.dense_params for r in rows)
+        tt = sum(r.tt_params for r in rows)
+        ranks = {tuple(r.ranks) for r in rows}
+        table.add_row(key, first.kind, first.layout, f"{first.rows} x {first.cols}",
+                      _ranks_text(first.ranks) + (" (varies)" if len(ranks) > 1 else ""), str(len(rows)),
+                      f"{dense:,}", f"{tt:,}", f"{dense / tt:.1f}x" if tt else "tied")
+    return table
+
+
+def totals_table(report, disk_bytes: int | None = None) -> Table:
+    table = Table(title="totals (all parameters, dense ones included)", title_justify="left")
+    table.add_column("")
+    table.add_column("value", justify="right")
+    table.add_row("parameters before", f"{report.params_before:,}")
+    table.add_row("parameters after", f"{report.params_after:,}")
+    table.add_row("ratio", f"{report.ratio:.2f}x" + (f" (target {report.target_ratio:g}x)"
+                                                     if report.target_ratio else ""))
+    if report.shared_rank is not None:
+        table.add_row("shared max rank", str(report.shared_rank))
+    if disk_bytes is not None:
+        table.add_row("checkpoint on disk", human_bytes(disk_bytes))
+    if report.seconds is not None:
+        table.add_row("conversion time", f"{report.seconds:.1f} s")
+    return table
+
+
+def compare_table(infos) -> Table:
+    base = infos[0]
+    table = Table(title="models side by side", title_justify="left")
+    for column, justify in (("model", "left"), ("type", "left"), ("compressed", "left"), ("parameters", "right"),
+                            (f"ratio vs {base.name}", "right"), ("on disk", "right"),
+                            ("converted modules", "right")):
+        table.add_column(column, justify=justify)
+    for info in infos:
+        modules = str(len(info.report.modules)) if info.report else "-"
+        table.add_row(info.name, info.model_type, "yes" if info.compressed else "no", f"{info.params:,}",
+                      f"{base.params / max(info.params, 1):.2f}x", human_bytes(info.disk_bytes), modules)
+    return table

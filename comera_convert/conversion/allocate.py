@@ -1,0 +1,87 @@
+"""Rank allocation: choose each layer's TT ranks so the whole model shrinks by a given ratio.
+
+The ratio counts every parameter of the model, dense ones included:
+    ratio = params(dense model) / params(converted model).
+A single maximum rank r is shared by all converted layers (each clipped to what its shape
+allows, as CoMERA uses rank 30 everywhere); r is the largest value whose model still meets the
+ratio, found by bisection since the parameter count grows with r. The budget left over then
+lifts the largest layers to rank r + 1, one at a time, while the ratio still holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import RatioError
+from ..tt.counting import num_gate_params, num_params
+from ..tt.spec import TTSpec
+from .targets import Candidate
+
+
+@dataclass(frozen=True)
+class LayoutChoice:
+    """How layers are laid out: the tt/ttm layout of linears and embeddings, and modes per side."""
+
+    linear: str = "tt"
+    embedding: str = "ttm"
+    d: int = 3
+    gates: bool = True
+
+    def spec(self, candidate: Candidate, rank) -> TTSpec:
+        layout = self.embedding if candidate.kind == "embedding" else self.linear
+        return TTSpec.plan(candidate.rows, candidate.cols, rank, layout=layout, d=self.d)
+
+    def stored_params(self, spec: TTSpec) -> int:
+        """What a converted layer stores for its matrix: cores, plus gates when they are on."""
+        return num_params(spec) + (num_gate_params(spec) if self.gates else 0)
+
+
+def model_params_with(candidates, specs, total_params: int, choice: LayoutChoice) -> int:
+    """The model's parameter count once ``candidates`` are replaced by layers of ``specs``."""
+    replaced = sum(c.dense_params for c in candidates)
+    return total_params - replaced + sum(choice.stored_params(s) for s in specs)
+
+
+def specs_at_rank(candidates, rank: int, choice: LayoutChoice) -> list[TTSpec]:
+    return [choice.spec(c, rank) for c in candidates]
+
+
+def allocate_ranks(candidates: list[Candidate], total_params: int, ratio: float,
+                   choice: LayoutChoice) -> tuple[list[TTSpec], int]:
+    """Specs meeting ``ratio`` with the largest shared rank, and that rank.
+
+    Raises RatioError, naming the largest reachable ratio, when even rank 1 is not enough.
+    """
+    def ratio_at(rank: int) -> float:
+        specs = specs_at_rank(candidates, rank, choice)
+        return total_params / model_params_with(candidates, specs, total_params, choice)
+
+    best = ratio_at(1)
+    if best < ratio:
+        raise RatioError(f"ratio {ratio:g} cannot be reached with these targets: the largest reachable "
+                         f"ratio is {best:.2f} (every converted layer at rank 1)")
+    high = max(max(s.max_ranks) for s in specs_at_rank(candidates, 1, choice))
+    low = 1  # invariant: ratio_at(low) >= ratio
+    while low < high:
+        mid = (low + high + 1) // 2
+        if ratio_at(mid) >= ratio:
+            low = mid
+        else:
+            high = mid - 1
+    return _fill_towards(candidates, specs_at_rank(candidates, low, choice), low + 1, total_params,
+                         ratio, choice), low
+
+
+def _fill_towards(candidates, specs, next_rank: int, total_params: int, ratio: float,
+                  choice: LayoutChoice) -> list[TTSpec]:
+    """Raise single layers to ``next_rank`` (largest first) while the model still meets the ratio,
+    so the achieved ratio lands as close above the target as one rank step allows."""
+    specs = list(specs)
+    budget = total_params / ratio - model_params_with(candidates, specs, total_params, choice)
+    for i in sorted(range(len(candidates)), key=lambda i: -candidates[i].dense_params):
+        grown = choice.spec(candidates[i], next_rank)
+        extra = choice.stored_params(grown) - choice.stored_params(specs[i])
+        if 0 < extra <= budget:
+            specs[i] = grown
+            budget -= extra
+    return specs

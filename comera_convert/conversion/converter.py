@@ -1,0 +1,108 @@
+"""convert(): swap a model's Linear / Conv1D / Embedding modules for TT modules, in place.
+
+    import comera_convert
+    report = comera_convert.convert(model, ratio=4)   # the whole model 4x smaller
+    print(report.summary())
+
+The model keeps its class, its forward and its config (which gains a ``quantization_config``
+describing the compression), so ``save_pretrained`` writes a compressed checkpoint and
+transformers loads it back once ``comera_convert`` is imported.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from torch import nn
+
+from ..errors import ConfigError
+from ..hf.config import ComeraConfig
+from ..layers import TTEmbedding, TTLinear, TTModule
+from .allocate import LayoutChoice, allocate_ranks, specs_at_rank
+from .options import ConvertOptions
+from .records import tie_head, untie_converted_heads
+from .report import ConversionReport, describe
+from .targets import find_candidates
+
+
+def count_params(model: nn.Module) -> int:
+    """Parameters of the model, each shared tensor counted once."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def convert(model: nn.Module, ratio: float | None = 4.0, layout: str = "tt", targets=None, exclude=None, *,
+            rank: int | None = None, embedding_layout: str = "ttm", d: int = 3, gates: bool = True,
+            source: str | None = None, progress: Callable[[str, int, int], None] | None = None) -> ConversionReport:
+    """Convert ``model`` in place; returns the report of what was compressed.
+
+    ratio: the whole model (dense parameters included) shrinks at least this many times; ranks
+        are allocated to meet it. Ignored when ``rank`` is given.
+    rank: a fixed maximum rank for every converted layer instead of a ratio.
+    layout / embedding_layout: "tt" or "ttm" for linear layers / embeddings.
+    targets / exclude: module-name patterns (globs, or one dot-separated name part).
+    progress: called as progress(module name, index, count) before each module is converted.
+    """
+    options = ConvertOptions(ratio=None if rank is not None else ratio, rank=rank, layout=layout,
+                             embedding_layout=embedding_layout, d=d, targets=targets, exclude=exclude,
+                             gates=gates)
+    return convert_with(model, options, source=source, progress=progress)
+
+
+def convert_with(model: nn.Module, options: ConvertOptions, source: str | None = None,
+                 progress: Callable[[str, int, int], None] | None = None) -> ConversionReport:
+    """``convert`` driven by a validated ConvertOptions (what recipes load into)."""
+    if any(isinstance(m, TTModule) for m in model.modules()):
+        raise ConfigError("the model is already compressed: convert the dense model, "
+                          "or retrain this one with `comera train`")
+    start = time.perf_counter()
+    params_before = count_params(model)
+    candidates, tied, skipped = find_candidates(model, options.targets, options.exclude, options.d)
+    if not candidates:
+        raise ConfigError("no module to convert: every Linear and Embedding was excluded or is too small")
+    choice = LayoutChoice(options.layout, options.embedding_layout, options.d, options.gates)
+    if options.rank is not None:
+        specs, shared_rank = specs_at_rank(candidates, options.rank, choice), options.rank
+    else:
+        specs, shared_rank = allocate_ranks(candidates, params_before, options.ratio, choice)
+
+    for index, (candidate, spec) in enumerate(zip(candidates, specs)):
+        if progress is not None:
+            progress(candidate.name, index, len(candidates))
+        kwargs = dict(rank=spec.ranks, layout=spec.layout, d=options.d, gates=options.gates)
+        if candidate.kind == "embedding":
+            new = TTEmbedding.from_embedding(candidate.module, row_modes=spec.row_modes,
+                                             col_modes=spec.col_modes, **kwargs)
+        else:
+            new = TTLinear.from_linear(candidate.module, in_modes=spec.row_modes, out_modes=spec.col_modes,
+                                       **kwargs)
+        model.set_submodule(candidate.name, new)
+
+    converted = {c.name for c in candidates}
+    for head in tied:
+        if head.embedding_name not in converted:
+            skipped[head.name] = f"tied to the dense {head.embedding_name}"
+            continue
+        tie_head(model, head.name, {"embedding": head.embedding_name,
+                                    "bias": getattr(head.module, "bias", None) is not None})
+    untie_converted_heads(model)
+    mark_compressed(model, ComeraConfig(source=source, dense_params=params_before))
+    return describe(model, skipped=skipped, target_ratio=options.ratio, shared_rank=shared_rank,
+                    seconds=time.perf_counter() - start, params_before=params_before)
+
+
+def mark_compressed(model: nn.Module, quantization_config: ComeraConfig) -> None:
+    """Make a converted model look and save like a loaded compressed model: its config records the
+    compression (following the live modules) and ``save_pretrained`` writes compressed checkpoints."""
+    from ..hf.quantizer import ComeraQuantizer
+    from ..hf.saving import install_save_hook
+
+    quantization_config.attach(model)
+    install_save_hook(model)
+    config = getattr(model, "config", None)
+    if config is None:
+        return  # a plain nn.Module: nothing more to record
+    config.quantization_config = quantization_config
+    model.hf_quantizer = ComeraQuantizer(quantization_config, pre_quantized=True)
+    model.is_quantized = True
+    model.quantization_method = quantization_config.quant_method

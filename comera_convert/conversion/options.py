@@ -1,0 +1,64 @@
+"""ConvertOptions: every conversion option, validated on construction (also what recipes hold)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+from ..errors import ConfigError, expected
+from ..tt.spec import LAYOUTS
+
+
+@dataclass
+class ConvertOptions:
+    # The whole model (dense parameters included) shrinks at least this many times.
+    ratio: float | None = 4.0
+    # A fixed maximum rank for every converted layer instead of a ratio (CoMERA uses 30).
+    rank: int | None = None
+    # CoMERA's layouts: tt (in modes, then out modes) for linears, ttm for embeddings.
+    layout: str = "tt"
+    embedding_layout: str = "ttm"
+    # Modes per side: CoMERA splits 768 and 3072 into 3 modes each.
+    d: int = 3
+    targets: list[str] | None = None
+    exclude: list[str] | None = None
+    # Diagonal rank gates on every bond, for rank-adaptive training (`comera train`).
+    gates: bool = True
+    version: int = 1
+
+    def __post_init__(self):
+        if self.rank is None and self.ratio is None:
+            raise ConfigError("give a compression ratio or a rank")
+        if self.rank is None:
+            try:
+                self.ratio = float(self.ratio)
+            except (TypeError, ValueError):
+                raise ConfigError(expected("a ratio as a number greater than 1", self.ratio)) from None
+            if not math.isfinite(self.ratio) or self.ratio <= 1:
+                raise ConfigError(expected("a ratio greater than 1", self.ratio))
+        elif isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ConfigError(expected("a rank as a positive integer", self.rank))
+        for name in ("layout", "embedding_layout"):
+            if getattr(self, name) not in LAYOUTS:
+                raise ConfigError(expected(f"{name} in {LAYOUTS}", getattr(self, name)))
+        if self.d not in (2, 3, 4):
+            raise ConfigError(expected("d (modes per side) in (2, 3, 4)", self.d))
+        for name in ("targets", "exclude"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                value = [value]
+            if value is not None and not all(isinstance(p, str) and p for p in value):
+                raise ConfigError(expected(f"{name} as a list of module-name patterns", value))
+            setattr(self, name, list(value) if value else None)
+
+    @classmethod
+    def from_dict(cls, data: dict, origin: str = "options") -> "ConvertOptions":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"{origin}: unknown key(s) {', '.join(unknown)} "
+                              f"(expected some of: {', '.join(sorted(known))})")
+        return cls(**data)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

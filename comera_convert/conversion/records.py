@@ -1,0 +1,135 @@
+"""Module records: what a compressed checkpoint stores about each converted module, and the
+functions that build TT modules from records (when loading) or records from modules (when saving).
+
+A record is a JSON-able dict:
+    {"kind": "linear", "spec": {...TTSpec...}, "bias": true, "gates": true}
+    {"kind": "embedding", "spec": {...}, "padding_idx": 0, "gates": true}
+    {"kind": "tied_head", "embedding": "bert.embeddings.word_embeddings", "bias": true}
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import ModelLoadError, expected
+from ..layers import TiedTTHead, TTEmbedding, TTLinear, TTModule
+from ..tt.spec import TTSpec
+
+KINDS = ("linear", "embedding", "tied_head")
+
+
+def record_of(module: nn.Module, model: nn.Module | None = None) -> dict:
+    """The record of a live converted module (its current ranks, after any pruning)."""
+    if isinstance(module, TTLinear):
+        return {"kind": "linear", "spec": module.spec.to_dict(), "bias": module.bias is not None,
+                "gates": module.gated, "dense_class": module.dense_class}
+    if isinstance(module, TTEmbedding):
+        return {"kind": "embedding", "spec": module.spec.to_dict(), "padding_idx": module.padding_idx,
+                "gates": module.gated}
+    if isinstance(module, TiedTTHead):
+        names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
+        return {"kind": "tied_head", "embedding": names.get(id(module.embedding)),
+                "bias": module.bias is not None}
+    raise TypeError(expected("a TTLinear, TTEmbedding or TiedTTHead", type(module).__name__))
+
+
+def records_of(model: nn.Module) -> dict[str, dict]:
+    """Records of every converted module of a model, by module name."""
+    return {name: record_of(module, model) for name, module in model.named_modules()
+            if isinstance(module, (TTModule, TiedTTHead))}
+
+
+def _check(record: dict, name: str) -> None:
+    if not isinstance(record, dict) or record.get("kind") not in KINDS:
+        raise ModelLoadError(f"the compression record of {name!r} is not valid: "
+                             + expected(f"a dict with kind in {KINDS}", record))
+
+
+def module_from_record(record: dict, name: str, dtype=None, device=None) -> nn.Module:
+    """An (uninitialized) TT module of the record's shape, ready to receive the saved tensors."""
+    _check(record, name)
+    if record["kind"] == "tied_head":
+        raise ValueError("tied heads are built by tie_heads, after their embedding")
+    spec = TTSpec.from_dict(record["spec"])
+    common = dict(rank=spec.ranks, layout=spec.layout, d=len(spec.row_modes), gates=record.get("gates", True),
+                  device=device, dtype=dtype)
+    if record["kind"] == "linear":
+        layer = TTLinear(spec.rows, spec.cols, bias=record.get("bias", True), in_modes=spec.row_modes,
+                         out_modes=spec.col_modes, **common)
+        layer.dense_class = record.get("dense_class", "Linear")
+        return layer
+    return TTEmbedding(spec.rows, spec.cols, record.get("padding_idx"), row_modes=spec.row_modes,
+                       col_modes=spec.col_modes, **common)
+
+
+def tie_head(model: nn.Module, name: str, record: dict) -> TiedTTHead:
+    """Replace the head ``name`` by a TiedTTHead over the (already converted) embedding."""
+    embedding = model.get_submodule(record["embedding"])
+    if not isinstance(embedding, TTEmbedding):
+        raise ModelLoadError(f"{name!r} is recorded as tied to {record['embedding']!r}, "
+                             + expected("a TTEmbedding there", type(embedding).__name__))
+    old = model.get_submodule(name)
+    bias = getattr(old, "bias", None) if record.get("bias") else None
+    head = TiedTTHead(embedding, bias=bias)
+    model.set_submodule(name, head)
+    return head
+
+
+def resolve_name(model: nn.Module, name: str) -> str | None:
+    """The name of a recorded module in this model: as recorded, or across the base-model prefix
+    (a checkpoint of BertModel loaded as BertForMaskedLM names ``encoder.*`` for ``bert.encoder.*``).
+
+    None for a head that a base model loaded from a checkpoint with a head does not have.
+    """
+    prefix = getattr(model, "base_model_prefix", "")
+    for candidate in (name, f"{prefix}.{name}", name.removeprefix(prefix + ".")):
+        try:
+            model.get_submodule(candidate)
+            return candidate
+        except AttributeError:
+            continue
+    is_base_model = getattr(model, "base_model", model) is model
+    if prefix and is_base_model and not name.startswith(prefix + "."):
+        return None
+    raise ModelLoadError(f"the checkpoint records a compressed module {name!r} that the model "
+                         f"{type(model).__name__} does not have")
+
+
+def build_from_records(model: nn.Module, records: dict[str, dict], dtype=None, device=None) -> None:
+    """Swap the model's modules for TT modules of the recorded shapes (weights are loaded later).
+
+    Records of modules the model does not have are an error, except heads: a base model loaded
+    from a checkpoint of a model with a head simply has no head.
+    """
+    for name, record in records.items():
+        _check(record, name)
+        target = resolve_name(model, name)
+        if record["kind"] != "tied_head" and target is not None:
+            model.set_submodule(target, module_from_record(record, name, dtype=dtype, device=device))
+    for name, record in records.items():
+        target = resolve_name(model, name)
+        if record["kind"] == "tied_head" and target is not None:
+            tie_head(model, target, dict(record, embedding=resolve_name(model, record["embedding"])))
+
+
+def untie_converted_heads(model: nn.Module) -> None:
+    """Drop transformers' weight-tying entries that point at converted modules.
+
+    The TiedTTHead shares the embedding's cores by itself; transformers' own tying would look
+    for a dense ``weight`` parameter that no longer exists.
+    """
+    tied = getattr(model, "all_tied_weights_keys", None)
+    if not tied:
+        return
+    converted = [name for name, module in model.named_modules() if isinstance(module, (TTModule, TiedTTHead))]
+
+    def touches(param_name: str) -> bool:
+        return any(param_name == f"{m}.weight" for m in converted)
+
+    model.all_tied_weights_keys = {t: s for t, s in tied.items() if not (touches(t) or touches(s))}
+
+
+def tensor_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Shapes of every tensor in the model's state dict (what its checkpoint must hold)."""
+    return {k: tuple(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}

@@ -1,0 +1,95 @@
+"""ConversionReport: what was compressed and by how much (returned by ``convert``, saved with
+the checkpoint as ``comera_report.json``, printed by ``comera report``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+REPORT_FILE = "comera_report.json"
+
+
+@dataclass
+class ModuleRow:
+    name: str
+    kind: str  # linear, embedding, tied_head
+    layout: str
+    rows: int
+    cols: int
+    ranks: list[int]
+    dense_params: int
+    tt_params: int
+
+    @property
+    def ratio(self) -> float:
+        return self.dense_params / max(self.tt_params, 1)
+
+    @property
+    def block(self) -> str:
+        """The module name with layer numbers folded (encoder.layer.*.attention.self.query)."""
+        return ".".join("*" if part.isdigit() else part for part in self.name.split("."))
+
+
+@dataclass
+class ConversionReport:
+    model_class: str
+    params_before: int
+    params_after: int
+    modules: list[ModuleRow] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    target_ratio: float | None = None
+    shared_rank: int | None = None
+    seconds: float | None = None
+    source: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        """The whole model's compression: parameters before / after, dense ones included."""
+        return self.params_before / max(self.params_after, 1)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["ratio"] = self.ratio
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ConversionReport":
+        data = dict(data)
+        data.pop("ratio", None)
+        data["modules"] = [ModuleRow(**row) for row in data.get("modules", [])]
+        return cls(**data)
+
+    def summary(self) -> str:
+        return (f"{self.model_class}: {self.params_before:,} -> {self.params_after:,} parameters "
+                f"({self.ratio:.2f}x smaller), {len(self.modules)} modules converted")
+
+
+def describe(model, **fields) -> ConversionReport:
+    """A report of a converted model as it is now: its live modules and current ranks.
+
+    The dense parameter count comes from the model's compression record; ``fields`` fill the
+    rest (skipped modules, timing, target ratio) where the caller knows them.
+    """
+    from ..layers import TiedTTHead, TTModule
+    from .converter import count_params
+
+    rows = []
+    for name, module in model.named_modules():
+        if isinstance(module, TTModule):
+            spec = module.spec
+            own = sum(p.numel() for n, p in module.named_parameters() if n != "bias")
+            kind = "embedding" if hasattr(module, "num_embeddings") else "linear"
+            rows.append(ModuleRow(name, kind, spec.layout, spec.rows, spec.cols, list(module.ranks),
+                                  spec.rows * spec.cols, own))
+        elif isinstance(module, TiedTTHead):
+            rows.append(ModuleRow(name, "tied_head", "-", module.in_features, module.out_features, [], 0, 0))
+    quantization_config = getattr(getattr(model, "config", None), "quantization_config", None)
+    params_after = count_params(model)
+    defaults = dict(source=getattr(quantization_config, "source", None),
+                    params_before=getattr(quantization_config, "dense_params", None) or params_after)
+    return ConversionReport(model_class=type(model).__name__, params_after=params_after, modules=rows,
+                            **{**defaults, **fields})

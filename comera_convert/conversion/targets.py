@@ -1,0 +1,114 @@
+"""Which modules of a model get compressed: a generic walk of the module tree.
+
+Every nn.Linear, transformers Conv1D (GPT-2's transposed linear) and nn.Embedding is a
+candidate; ``targets`` / ``exclude`` take module-name patterns (globs such as
+``encoder.layer.*.attention.*``, or a plain name component such as ``query``). A linear whose
+weight is the very tensor of an embedding (a tied LM head) is never converted on its own: it
+follows its embedding (see ``converter.py``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..errors import ConfigError
+
+# A layer smaller than this stays dense: its TT cores would cost about as much as the matrix,
+# and the reshapes cost more time than the GEMM they replace.
+MIN_DENSE_PARAMS = 4096
+
+
+@dataclass
+class Candidate:
+    """A module the converter may replace."""
+
+    name: str
+    module: nn.Module
+    kind: str  # "linear" or "embedding"
+    rows: int  # rows of the TT matrix: in_features, or num_embeddings
+    cols: int  # columns: out_features, or embedding_dim
+
+    @property
+    def dense_params(self) -> int:
+        return self.rows * self.cols
+
+
+@dataclass
+class TiedHead:
+    """A linear head whose weight is the weight of an embedding (kept tied, never duplicated)."""
+
+    name: str
+    module: nn.Module
+    embedding_name: str
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "weight")
+
+
+def _shape_of(module: nn.Module):
+    if isinstance(module, nn.Embedding):
+        return "embedding", module.num_embeddings, module.embedding_dim
+    if isinstance(module, nn.Linear):
+        return "linear", module.in_features, module.out_features
+    if is_conv1d(module):
+        return "linear", module.weight.shape[0], module.weight.shape[1]
+    return None
+
+
+def matches(name: str, pattern: str) -> bool:
+    """A glob over the full module name, or an exact match of one of its dot-separated parts."""
+    return fnmatch.fnmatchcase(name, pattern) or pattern in name.split(".")
+
+
+def _too_small(rows: int, cols: int, d: int) -> str | None:
+    if rows * cols < MIN_DENSE_PARAMS:
+        return f"{rows} x {cols} is below {MIN_DENSE_PARAMS} weights"
+    for size in (rows, cols):
+        if size < 2 ** d:
+            return f"dimension {size} cannot split into {d} modes"
+    return None
+
+
+def find_candidates(model: nn.Module, targets=None, exclude=None, d: int = 3):
+    """Walk the model: (candidates, tied heads, skipped {name: reason}).
+
+    Raises ConfigError for a targets/exclude pattern that matches no candidate module.
+    """
+    embedding_of_weight = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding):
+            embedding_of_weight[id(module.weight)] = name
+
+    candidates, tied, skipped, seen_names = [], [], {}, []
+    for name, module in model.named_modules():
+        shape = _shape_of(module)
+        if shape is None or not name:
+            continue
+        seen_names.append(name)
+        kind, rows, cols = shape
+        if kind == "linear" and id(module.weight) in embedding_of_weight:
+            tied.append(TiedHead(name, module, embedding_of_weight[id(module.weight)]))
+            continue
+        if targets and not any(matches(name, p) for p in targets):
+            skipped[name] = "not in targets"
+            continue
+        if exclude and any(matches(name, p) for p in exclude):
+            skipped[name] = "excluded"
+            continue
+        reason = _too_small(rows, cols, d)
+        if reason:
+            skipped[name] = reason
+            continue
+        candidates.append(Candidate(name, module, kind, rows, cols))
+
+    for option, patterns in (("--targets", targets), ("--exclude", exclude)):
+        for pattern in patterns or ():
+            if not any(matches(n, pattern) for n in seen_names):
+                examples = ", ".join(seen_names[:4])
+                raise ConfigError(f"{option} pattern {pattern!r} matches no Linear or Embedding module "
+                                  f"(module names look like: {examples})")
+    return candidates, tied, skipped

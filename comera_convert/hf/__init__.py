@@ -1,0 +1,1 @@
+"""transformers integration: the "comera" quantization method that loads compressed checkpoints."""

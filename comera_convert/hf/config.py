@@ -1,0 +1,57 @@
+"""ComeraConfig: the compression layout, stored as the model config's ``quantization_config``.
+
+transformers writes it into config.json with the rest of the config and reads it back on
+``from_pretrained``; a registered quantizer (``quantizer.py``) turns it into TT modules.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from ..errors import ModelLoadError, expected
+
+QUANT_METHOD = "comera"
+FORMAT_VERSION = 1  # bump when the record format changes; older versions must keep loading
+# config.json names this file as the model's weights. It does not exist: a transformers that does
+# not know comera_convert stops on it with this instruction, instead of loading a dense model
+# with random weights. comera_convert's quantizer points transformers at model.safetensors.
+WEIGHTS_GUARD = "comera-tt-checkpoint--pip-install-comera-convert--then-import-comera_convert.safetensors"
+
+
+class ComeraConfig(QuantizationConfigMixin):
+    def __init__(self, modules: dict | None = None, version: int = FORMAT_VERSION, source: str | None = None,
+                 dense_params: int | None = None, quant_method: str = QUANT_METHOD, **kwargs):
+        if quant_method != QUANT_METHOD:
+            raise ModelLoadError(expected(f"quant_method {QUANT_METHOD!r}", quant_method))
+        if not isinstance(version, int) or version > FORMAT_VERSION:
+            raise ModelLoadError(f"this checkpoint uses comera format version {version}, newer than this "
+                                 f"comera_convert understands ({FORMAT_VERSION}): upgrade comera-convert")
+        self.quant_method = QUANT_METHOD
+        self.version = version
+        self.source = source
+        self.dense_params = dense_params  # the source model's parameter count, for ratios
+        self.modules = dict(modules or {})
+        self._model = None
+
+    def attach(self, model) -> None:
+        """Follow a live model, so the saved records carry its current (possibly pruned) ranks."""
+        self._model = weakref.ref(model)
+
+    def to_dict(self) -> dict:
+        from ..conversion.records import records_of
+
+        model = self._model() if self._model is not None else None
+        modules = records_of(model) if model is not None else self.modules
+        return {"quant_method": self.quant_method, "version": self.version, "source": self.source,
+                "dense_params": self.dense_params, "modules": copy.deepcopy(modules)}
+
+    def __iter__(self):
+        yield from self.to_dict().items()
+
+    def __deepcopy__(self, memo):
+        clone = ComeraConfig(**{k: v for k, v in self.to_dict().items()})
+        clone._model = self._model
+        return clone

@@ -1,0 +1,104 @@
+"""Opening compressed checkpoints: comera_convert.from_pretrained, and decompression to dense."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import ModelLoadError
+from .checkpoint_check import read_header
+from .config import QUANT_METHOD
+
+
+def is_compressed_dir(path: str | os.PathLike) -> bool:
+    from ..models import read_config
+
+    config = read_config(str(path))
+    return (config.get("quantization_config") or {}).get("quant_method") == QUANT_METHOD
+
+
+def from_pretrained(path: str | os.PathLike, task: str | None = None, **kwargs):
+    """Load a compressed checkpoint as the transformers class it was saved from.
+
+    ``task`` ("base", "mlm", "clm", "seq-cls") picks an Auto class instead; ``kwargs`` go to
+    transformers' ``from_pretrained`` (dtype, device_map, ...).
+    """
+    from ..models import load_model, resolve
+
+    resolved = resolve(str(path))
+    if not is_compressed_dir(resolved):
+        raise ModelLoadError(f"{path} is not a comera compressed checkpoint (its config.json has no "
+                             f"quantization_config with quant_method {QUANT_METHOD!r}): "
+                             f"convert it with `comera convert`")
+    weights = Path(resolved) / "model.safetensors"
+    if weights.is_file():
+        read_header(str(weights))  # a truncated or corrupted file fails here, in one line
+    model, _ = load_model(resolved, task=task, **kwargs)
+    return model
+
+
+def _dense_linear(module) -> nn.Module:
+    if module.dense_class == "Conv1D":  # GPT-2's transposed linear: weight stored (in, out)
+        from transformers.pytorch_utils import Conv1D
+
+        dense = Conv1D(module.out_features, module.in_features).to(module.cores[0])
+        dense.weight.copy_(module.dense_weight().t())
+        dense.bias = module.bias
+        return dense
+    dense = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                      device=module.cores[0].device, dtype=module.cores[0].dtype)
+    dense.weight.copy_(module.dense_weight())
+    if module.bias is not None:
+        dense.bias = module.bias
+    return dense
+
+
+def _dense_embedding(module) -> nn.Embedding:
+    dense = nn.Embedding(module.num_embeddings, module.embedding_dim, module.padding_idx,
+                         device=module.cores[0].device, dtype=module.cores[0].dtype)
+    dense.weight.copy_(module.dense_matrix())
+    return dense
+
+
+@torch.no_grad()
+def decompress(model: nn.Module) -> nn.Module:
+    """Replace every TT module by the dense module it represents (in place), and forget the compression.
+
+    A head tied to a converted embedding becomes a Linear tied to the dense embedding again.
+    """
+    from ..layers import TiedTTHead, TTEmbedding, TTLinear
+
+    name_of = {id(m): n for n, m in model.named_modules()}
+    heads = []
+    for name, module in list(model.named_modules()):
+        if isinstance(module, TTLinear):
+            model.set_submodule(name, _dense_linear(module))
+        elif isinstance(module, TTEmbedding):
+            model.set_submodule(name, _dense_embedding(module))
+        elif isinstance(module, TiedTTHead):
+            heads.append((name, module, name_of[id(module.embedding)]))
+    for name, head, embedding_name in heads:
+        embedding = model.get_submodule(embedding_name)
+        linear = nn.Linear(head.in_features, head.out_features, bias=head.bias is not None,
+                           device=embedding.weight.device, dtype=embedding.weight.dtype)
+        linear.weight = embedding.weight
+        if head.bias is not None:
+            linear.bias = head.bias
+        model.set_submodule(name, linear)
+    _forget_compression(model)
+    return model
+
+
+def _forget_compression(model: nn.Module) -> None:
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "quantization_config"):
+        del config.quantization_config
+    for attr in ("hf_quantizer", "quantization_method", "save_pretrained"):
+        if attr in model.__dict__:
+            delattr(model, attr)
+    model.is_quantized = False
+    if hasattr(model, "get_expanded_tied_weights_keys"):
+        model.all_tied_weights_keys = model.get_expanded_tied_weights_keys(all_submodels=False)

