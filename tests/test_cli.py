@@ -1,16 +1,128 @@
+import json
+
+import pytest
 from click.testing import CliRunner
 
 import comera_convert
 from comera_convert.cli import main
 
+from .tiny_models import build
+
+
+@pytest.fixture
+def dense_dir(tmp_path):
+    path = tmp_path / "tiny-bert"
+    build("bert-mlm").save_pretrained(path)
+    return path
+
+
+def run(*args):
+    # A wide virtual terminal, so table rows are not folded.
+    return CliRunner(env={"COLUMNS": "200"}).invoke(main, [str(a) for a in args])
+
 
 def test_version():
-    result = CliRunner().invoke(main, ["--version"])
+    result = run("--version")
     assert result.exit_code == 0
     assert comera_convert.__version__ in result.output
 
 
-def test_help_lists_the_commands():
-    result = CliRunner().invoke(main, ["--help"])
+@pytest.mark.parametrize("command", [[], ["convert"], ["report"], ["decompress"]])
+def test_help_of_every_command(command):
+    result = run(*command, "--help")
     assert result.exit_code == 0
-    assert "Tensor-train compression" in result.output
+    assert "Usage:" in result.output
+
+
+def test_convert_report_decompress(dense_dir, tmp_path):
+    out = tmp_path / "tiny-tt3"
+    result = run("convert", dense_dir, "--ratio", "3", "--out", out)
+    assert result.exit_code == 0, result.output
+    assert f"wrote {out}" in result.output.replace("\n", "")
+    assert (out / "model.safetensors").is_file()
+
+    report = json.loads(run("report", out, "--json").output)
+    assert report["compressed"] and report["report"]["ratio"] >= 3
+    assert report["params"] == report["report"]["params_after"]
+
+    table = run("report", out)
+    assert table.exit_code == 0 and "encoder.layer.*.attention.self.query" in table.output
+
+    both = json.loads(run("report", dense_dir, out, "--compare", "--json").output)
+    assert both[0]["params"] / both[1]["params"] >= 3
+    assert "models side by side" in run("report", dense_dir, out, "--compare").output
+
+    dense = tmp_path / "dense-again"
+    assert run("decompress", out, "--out", dense).exit_code == 0
+    assert "quantization_config" not in json.loads((dense / "config.json").read_text())
+
+
+def test_recipe_and_overrides(dense_dir, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("rank: 4\nlayout: ttm\n")
+    out = tmp_path / "o"
+    assert run("convert", dense_dir, "--recipe", recipe, "--layout", "tt", "--out", out).exit_code == 0
+    modules = json.loads((out / "config.json").read_text())["quantization_config"]["modules"]
+    layouts = {r["spec"]["layout"] for r in modules.values() if r["kind"] == "linear"}
+    assert layouts == {"tt"}
+
+
+def test_existing_output_is_kept_unless_overwrite(dense_dir, tmp_path):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    result = run("convert", dense_dir, "--ratio", "3", "--out", out)
+    assert result.exit_code == 1
+    assert "not empty" in result.output and "--overwrite" in result.output
+    assert (out / "keep.txt").read_text() == "mine"
+    assert run("convert", dense_dir, "--ratio", "3", "--out", out, "--overwrite").exit_code == 0
+    assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left behind
+
+
+def _one_line_error(result, *fragments):
+    assert result.exit_code != 0
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    lines = [l for l in result.output.strip().splitlines() if l.strip()]
+    assert len(lines) == 1, result.output
+    assert lines[0].startswith("error:") or lines[0].startswith("Usage:") or "Error" in lines[0]
+    for fragment in fragments:
+        assert fragment in result.output.replace("\n", " ")
+
+
+def test_bad_input_is_one_line_and_non_zero(dense_dir, tmp_path):
+    not_a_model = tmp_path / "empty"
+    not_a_model.mkdir()
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    cases = [
+        (["convert", tmp_path / "no-such-model", "--out", tmp_path / "o1"], ["no-such-model"]),
+        (["convert", not_a_model, "--out", tmp_path / "o2"], ["not a model", "config.json"]),
+        (["convert", dense_dir, "--ratio", "1", "--out", tmp_path / "o3"], ["ratio greater than 1"]),
+        (["convert", dense_dir, "--ratio", "0.5", "--out", tmp_path / "o3"], ["ratio greater than 1"]),
+        (["convert", dense_dir, "--ratio", "500", "--targets", "query", "--out", tmp_path / "o4"],
+         ["largest reachable ratio"]),
+        (["convert", dense_dir, "--layout", "cp", "--out", tmp_path / "o5"], ["layout in"]),
+        (["convert", dense_dir, "--targets", "nothing", "--out", tmp_path / "o6"], ["matches no Linear"]),
+        (["convert", dense_dir, "--out", a_file], ["is a file"]),
+        (["report", tmp_path / "no-such-model"], ["no-such-model"]),
+    ]
+    for args, fragments in cases:
+        _one_line_error(run(*args), *fragments)
+
+
+def test_ratio_that_is_not_a_number_is_a_usage_error(dense_dir):
+    result = run("convert", dense_dir, "--ratio", "abc")
+    assert result.exit_code == 2
+    assert "'abc' is not a valid float" in result.output
+
+
+def test_corrupted_weights_are_one_line(dense_dir, tmp_path):
+    out = tmp_path / "c"
+    run("convert", dense_dir, "--ratio", "3", "--out", out)
+    data = (out / "model.safetensors").read_bytes()
+    (out / "model.safetensors").write_bytes(data[: len(data) // 3])
+    _one_line_error(run("report", out), "truncated")
+    _one_line_error(run("decompress", out, "--out", tmp_path / "d"), "truncated")
+    (out / "model.safetensors").write_bytes(b"\xff" * 64)
+    _one_line_error(run("report", out), "model.safetensors")

@@ -35,11 +35,11 @@ def main() -> None:
     Convert a model with `comera convert`, inspect it with `comera report`,
     get a dense checkpoint back with `comera decompress`.
     """
-    import os
+    from transformers.utils import logging as hf_logging
 
-    # transformers' own tqdm bars would interleave with ours.
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    # transformers' own tqdm bars and load reports would interleave with our output.
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
 
 
 def _register() -> None:

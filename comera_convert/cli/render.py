@@ -16,16 +16,15 @@ def human_bytes(n: int) -> str:
 
 
 def _ranks_text(ranks) -> str:
-    return ", ".join(map(str, ranks)) if ranks else "shared"
+    return ",".join(map(str, ranks)) if ranks else "shared"
 
 
 def modules_table(report, by_block: bool = True) -> Table:
     """Per module (or per block type, layer numbers folded) original vs compressed parameters."""
     table = Table(title=f"{report.model_class}: converted modules", title_justify="left")
-    for column, justify in (("module", "left"), ("kind", "left"), ("layout", "left"), ("shape", "right"),
-                            ("ranks", "left"), ("count", "right"), ("dense params", "right"),
-                            ("TT params", "right"), ("ratio", "right")):
-        table.add_column(column, justify=justify)
+    table.add_column("module", no_wrap=True)
+    for column in ("layout", "shape", "ranks", "n", "dense", "TT", "ratio"):
+        table.add_column(column, justify="left" if column in ("layout", "ranks") else "right")
     groups = defaultdict(list)
     for row in report.modules:
         groups[row.block if by_block else row.name].append(row)
@@ -34,9 +33,11 @@ def modules_table(report, by_block: bool = True) -> Table:
         dense = sum(r.dense_params for r in rows)
         tt = sum(r.tt_params for r in rows)
         ranks = {tuple(r.ranks) for r in rows}
-        table.add_row(key, first.kind, first.layout, f"{first.rows} x {first.cols}",
-                      _ranks_text(first.ranks) + (" (varies)" if len(ranks) > 1 else ""), str(len(rows)),
-                      f"{dense:,}", f"{tt:,}", f"{dense / tt:.1f}x" if tt else "tied")
+        layout = "tied" if first.kind == "tied_head" else first.layout
+        table.add_row(key, layout, f"{first.rows}x{first.cols}",
+                      _ranks_text(first.ranks) + ("*" if len(ranks) > 1 else ""), str(len(rows)),
+                      f"{dense:,}", f"{tt:,}", f"{dense / tt:.1f}x" if tt else "-")
+    table.caption = "ranks: internal bonds of the first module of each row; * = they vary across the row"
     return table
 
 

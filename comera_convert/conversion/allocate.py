@@ -4,7 +4,8 @@ The ratio counts every parameter of the model, dense ones included:
     ratio = params(dense model) / params(converted model).
 A single maximum rank r is shared by all converted layers (each clipped to what its shape
 allows, as CoMERA uses rank 30 everywhere); r is the largest value whose model still meets the
-ratio, found by bisection since the parameter count grows with r. The budget left over then
+ratio, found by bisection since the parameter count grows with r. A layer whose TT form at r
+would not be smaller than the dense one stays dense. The budget left over then
 lifts the largest layers to rank r + 1, one at a time, while the ratio still holds.
 """
 
@@ -37,18 +38,26 @@ class LayoutChoice:
 
 
 def model_params_with(candidates, specs, total_params: int, choice: LayoutChoice) -> int:
-    """The model's parameter count once ``candidates`` are replaced by layers of ``specs``."""
-    replaced = sum(c.dense_params for c in candidates)
-    return total_params - replaced + sum(choice.stored_params(s) for s in specs)
+    """The model's parameter count once ``candidates`` are replaced by layers of ``specs``
+    (a None spec leaves its layer dense)."""
+    replaced = sum(c.dense_params for c, s in zip(candidates, specs) if s is not None)
+    return total_params - replaced + sum(choice.stored_params(s) for s in specs if s is not None)
 
 
-def specs_at_rank(candidates, rank: int, choice: LayoutChoice) -> list[TTSpec]:
-    return [choice.spec(c, rank) for c in candidates]
+def spec_if_smaller(candidate: Candidate, rank, choice: LayoutChoice) -> TTSpec | None:
+    """The layer's spec at ``rank``, or None where TT would store no fewer weights than dense."""
+    spec = choice.spec(candidate, rank)
+    return spec if choice.stored_params(spec) < candidate.dense_params else None
+
+
+def specs_at_rank(candidates, rank: int, choice: LayoutChoice) -> list[TTSpec | None]:
+    return [spec_if_smaller(c, rank, choice) for c in candidates]
 
 
 def allocate_ranks(candidates: list[Candidate], total_params: int, ratio: float,
-                   choice: LayoutChoice) -> tuple[list[TTSpec], int]:
-    """Specs meeting ``ratio`` with the largest shared rank, and that rank.
+                   choice: LayoutChoice) -> tuple[list[TTSpec | None], int]:
+    """Specs meeting ``ratio`` with the largest shared rank, and that rank. A layer that TT would
+    not make smaller at that rank gets None (it stays dense).
 
     Raises RatioError, naming the largest reachable ratio, when even rank 1 is not enough.
     """
@@ -60,7 +69,7 @@ def allocate_ranks(candidates: list[Candidate], total_params: int, ratio: float,
     if best < ratio:
         raise RatioError(f"ratio {ratio:g} cannot be reached with these targets: the largest reachable "
                          f"ratio is {best:.2f} (every converted layer at rank 1)")
-    high = max(max(s.max_ranks) for s in specs_at_rank(candidates, 1, choice))
+    high = max(max(choice.spec(c, 1).max_ranks) for c in candidates)
     low = 1  # invariant: ratio_at(low) >= ratio
     while low < high:
         mid = (low + high + 1) // 2
@@ -79,7 +88,9 @@ def _fill_towards(candidates, specs, next_rank: int, total_params: int, ratio: f
     specs = list(specs)
     budget = total_params / ratio - model_params_with(candidates, specs, total_params, choice)
     for i in sorted(range(len(candidates)), key=lambda i: -candidates[i].dense_params):
-        grown = choice.spec(candidates[i], next_rank)
+        grown = spec_if_smaller(candidates[i], next_rank, choice)
+        if grown is None or specs[i] is None:
+            continue
         extra = choice.stored_params(grown) - choice.stored_params(specs[i])
         if 0 < extra <= budget:
             specs[i] = grown

@@ -19,7 +19,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..hf.config import ComeraConfig
 from ..layers import TTEmbedding, TTLinear, TTModule
-from .allocate import LayoutChoice, allocate_ranks, specs_at_rank
+from .allocate import LayoutChoice, allocate_ranks
 from .options import ConvertOptions
 from .records import tie_head, untie_converted_heads
 from .report import ConversionReport, describe
@@ -62,11 +62,15 @@ def convert_with(model: nn.Module, options: ConvertOptions, source: str | None =
         raise ConfigError("no module to convert: every Linear and Embedding was excluded or is too small")
     choice = LayoutChoice(options.layout, options.embedding_layout, options.d, options.gates)
     if options.rank is not None:
-        specs, shared_rank = specs_at_rank(candidates, options.rank, choice), options.rank
+        # An explicit rank is honoured even where TT is not smaller (full-rank round trips, studies).
+        specs, shared_rank = [choice.spec(c, options.rank) for c in candidates], options.rank
     else:
         specs, shared_rank = allocate_ranks(candidates, params_before, options.ratio, choice)
 
     for index, (candidate, spec) in enumerate(zip(candidates, specs)):
+        if spec is None:
+            skipped[candidate.name] = f"TT at rank {shared_rank} would not be smaller"
+            continue
         if progress is not None:
             progress(candidate.name, index, len(candidates))
         kwargs = dict(rank=spec.ranks, layout=spec.layout, d=options.d, gates=options.gates)
@@ -78,7 +82,7 @@ def convert_with(model: nn.Module, options: ConvertOptions, source: str | None =
                                        **kwargs)
         model.set_submodule(candidate.name, new)
 
-    converted = {c.name for c in candidates}
+    converted = {c.name for c, s in zip(candidates, specs) if s is not None}
     for head in tied:
         if head.embedding_name not in converted:
             skipped[head.name] = f"tied to the dense {head.embedding_name}"

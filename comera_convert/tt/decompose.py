@@ -22,23 +22,29 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-# An unfolding at least this many times wider than tall takes its left singular vectors from the
-# eigenvectors of its Gram matrix A A^T (m^2 n work) instead of a full SVD (about 4 m^2 n with a
-# large constant): 30522 x 768 at ranks 30 drops from 13.8 s to well under a second.
-GRAM_WIDTH_RATIO = 4
-
-
 def left_singular_vectors(unfolding: torch.Tensor, rank: int) -> torch.Tensor:
-    """The top ``rank`` left singular vectors of an m x n matrix (m x rank, orthonormal)."""
+    """The top ``rank`` left singular vectors of an m x n matrix A (m x rank, orthonormal).
+
+    From the eigenvectors of the smaller Gram matrix rather than a full SVD: an m x m eigh costs
+    a third of a 768 x 768 SVD and far less for wide unfoldings (30522 x 768 at ranks 30 drops
+    from 13.8 s to 0.6 s). For tall A, the top right vectors V_r come from A^T A and the left
+    ones are an orthonormal basis of A V_r (the same span, without dividing by small sigmas).
+    A bond whose rank is the full rank of the unfolding needs no decomposition at all.
+    """
     m, n = unfolding.shape
     rank = min(rank, m, n)
-    if n >= GRAM_WIDTH_RATIO * m:
-        # Gram route: the m x m eigenproblem is solved in float64, where its small size makes it cheap.
-        gram = (unfolding @ unfolding.T).double()
-        _, vectors = torch.linalg.eigh(gram)  # ascending eigenvalues
-        return vectors[:, -rank:].flip(-1).to(unfolding.dtype)
-    u, _, _ = torch.linalg.svd(unfolding, full_matrices=False)
-    return u[:, :rank]
+    if rank == m:
+        # A bond at full rank truncates nothing: any orthonormal basis will do, and I is one.
+        return torch.eye(m, dtype=unfolding.dtype, device=unfolding.device)
+    if rank == n:
+        basis, _ = torch.linalg.qr(unfolding)  # the column space itself
+        return basis
+    if m <= n:
+        _, vectors = torch.linalg.eigh(unfolding @ unfolding.T)  # ascending eigenvalues
+        return vectors[:, -rank:].flip(-1)
+    _, right = torch.linalg.eigh(unfolding.T @ unfolding)
+    basis, _ = torch.linalg.qr(unfolding @ right[:, -rank:].flip(-1))
+    return basis
 
 
 def tt_svd(tensor: torch.Tensor, ranks) -> list[torch.Tensor]:

