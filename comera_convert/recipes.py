@@ -1,7 +1,7 @@
-"""Recipes: YAML files of conversion options (``comera convert --recipe FILE``).
+"""Recipes: YAML files of options (``comera convert --recipe FILE``, ``comera train --recipe FILE``).
 
-Every key is a field of ConvertOptions (see ``conversion/options.py`` for what each means);
-options given on the command line override the recipe's.
+Every key is a field of ConvertOptions (``conversion/options.py``) or TrainOptions
+(``training/options.py``), which say what each means; command-line options override the recipe's.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import yaml
 
 from .conversion.options import ConvertOptions
 from .errors import ConfigError
+from .training.options import TrainOptions
 
 
 def load_recipe(path: str | Path) -> dict:
@@ -34,3 +35,10 @@ def convert_options(recipe: str | Path | None, overrides: dict) -> ConvertOption
     if data.get("rank") is not None and overrides.get("ratio") is None:
         data["ratio"] = None  # a rank replaces the default ratio unless a ratio was asked for too
     return ConvertOptions.from_dict(data, origin=str(recipe) if recipe else "options")
+
+
+def train_options(recipe: str | Path | None, overrides: dict) -> TrainOptions:
+    """Training options from a recipe (if any) with the given non-None overrides on top."""
+    data = load_recipe(recipe) if recipe else {}
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    return TrainOptions.from_dict(data, origin=str(recipe) if recipe else "options")

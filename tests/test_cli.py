@@ -126,3 +126,23 @@ def test_corrupted_weights_are_one_line(dense_dir, tmp_path):
     _one_line_error(run("decompress", out, "--out", tmp_path / "d"), "truncated")
     (out / "model.safetensors").write_bytes(b"\xff" * 64)
     _one_line_error(run("report", out), "model.safetensors")
+
+
+def test_train_help_names_follow_training_arguments():
+    result = run("train", "--help")
+    assert result.exit_code == 0
+    for name in ("--max-steps", "--per-device-train-batch-size", "--gradient-accumulation-steps",
+                 "--logging-steps", "--save-steps", "--seed", "--bf16", "--resume", "--target-ratio"):
+        assert name in result.output
+
+
+def test_train_bad_input_is_one_line(dense_dir, tmp_path):
+    _one_line_error(run("train", dense_dir, "--data", "python-stdlib", "--out", tmp_path / "t1"),
+                    "is not a compressed model", "comera convert")
+    out = tmp_path / "tt"
+    run("convert", dense_dir, "--ratio", "3", "--out", out)
+    _one_line_error(run("train", out, "--data", tmp_path / "missing.txt", "--out", tmp_path / "t2"),
+                    "no such file or directory")
+    _one_line_error(run("train", out, "--steps", "0", "--out", tmp_path / "t3"), "steps as a positive integer")
+    _one_line_error(run("train", out, "--target-ratio", "1.2", "--data", "python-stdlib", "--steps", "2",
+                        "--out", tmp_path / "t4"), "lower than the model's current ratio")

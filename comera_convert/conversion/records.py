@@ -113,6 +113,22 @@ def build_from_records(model: nn.Module, records: dict[str, dict], dtype=None, d
             tie_head(model, target, dict(record, embedding=resolve_name(model, record["embedding"])))
 
 
+def tie_heads_to_converted_embeddings(model: nn.Module) -> None:
+    """Heads that a checkpoint does not record (a base model loaded with an LM head on top) but that
+    transformers ties to the input embedding become TiedTTHeads when that embedding is a TT one:
+    the new head starts from the embedding, as it would on a dense model."""
+    config = getattr(model, "config", None)
+    if config is None or not getattr(config, "tie_word_embeddings", False):
+        return
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    if get_in is None or get_out is None:
+        return
+    embedding, head = get_in(), get_out()
+    if isinstance(embedding, TTEmbedding) and isinstance(head, nn.Linear):
+        name = next(n for n, m in model.named_modules() if m is head)
+        model.set_submodule(name, TiedTTHead(embedding, bias=head.bias))
+
+
 def untie_converted_heads(model: nn.Module) -> None:
     """Drop transformers' weight-tying entries that point at converted modules.
 

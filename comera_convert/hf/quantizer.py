@@ -11,7 +11,7 @@ from __future__ import annotations
 from transformers.quantizers import HfQuantizer
 from transformers.quantizers.auto import register_quantization_config, register_quantizer
 
-from ..conversion.records import build_from_records, untie_converted_heads
+from ..conversion.records import build_from_records, tie_heads_to_converted_embeddings, untie_converted_heads
 from .checkpoint_check import check_tensors_match
 from .config import QUANT_METHOD, WEIGHTS_GUARD, ComeraConfig
 
@@ -37,6 +37,7 @@ class ComeraQuantizer(HfQuantizer):
         records = self.quantization_config.modules
         first = next(model.parameters())
         build_from_records(model, records, dtype=self._dtype or first.dtype, device=first.device)
+        tie_heads_to_converted_embeddings(model)
         untie_converted_heads(model)
         if checkpoint_files:
             check_tensors_match(model, checkpoint_files)

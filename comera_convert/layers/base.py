@@ -97,37 +97,86 @@ class TTModule(nn.Module):
 
     # -- rank truncation ----------------------------------------------------------------------------
     @torch.no_grad()
-    def prune_ranks(self, threshold: float = 0.0) -> tuple[int, ...]:
-        """Physically drop bond indices whose gate magnitude is <= threshold.
+    def zero_pruned_(self) -> None:
+        """Zero the core slices on both sides of every closed gate entry (gate == 0).
 
-        The remaining gate values are folded into the cores and the gates reset to 1.0, so the
-        represented matrix is unchanged (up to the dropped indices). Returns the new bond sizes.
+        A closed index then contributes nothing and receives no gradient, so truncating it away
+        (``prune_ranks``) and scattering it back (``expand_``) are exact inverses.
+        """
+        if self.gates is None:
+            return
+        for k, gate in enumerate(self.gates):
+            closed = gate == 0
+            if closed.any():
+                self.cores[k][..., closed] = 0
+                self.cores[k + 1][closed] = 0
+
+    def kept_indices(self, threshold: float = 0.0) -> list[torch.Tensor]:
+        """Per bond, the indices whose gate magnitude is above ``threshold`` (at least one)."""
+        keep = []
+        for gate in self.gates:
+            kept = (gate.detach().abs() > threshold).nonzero().flatten()
+            if kept.numel() == 0:  # a bond of size 0 would make the matrix zero: keep its strongest
+                kept = gate.detach().abs().argmax().reshape(1)
+            keep.append(kept)
+        return keep
+
+    @torch.no_grad()
+    def prune_ranks(self, threshold: float = 0.0, fold: bool = True) -> tuple[int, ...]:
+        """Physically drop bond indices whose gate magnitude is <= threshold. Returns the new bond sizes.
+
+        fold=True folds the remaining gate values into the cores and resets the gates to 1.0 (the
+        represented matrix is unchanged up to the dropped indices); fold=False keeps the gate
+        values as they are, so ``expand_`` can restore the exact parameters (training checkpoints).
         """
         if self.gates is None:
             return self.bond_dims
-        keep = []
-        for gate in self.gates:
-            kept = (gate.abs() > threshold).nonzero().flatten()
-            if kept.numel() == 0:  # a bond of size 0 would make the matrix zero: keep its strongest
-                kept = gate.abs().argmax().reshape(1)
-            keep.append(kept)
-        cores = [core.detach() for core in self.cores]
+        keep = self.kept_indices(threshold)
         new_cores = []
-        for k, core in enumerate(cores):
+        for k, core in enumerate(self.cores):
+            core = core.detach()
             if k > 0:
                 core = core.index_select(0, keep[k - 1])
-            if k < len(cores) - 1:
-                core = core.index_select(core.dim() - 1, keep[k]) * self.gates[k][keep[k]]
+            if k < len(self.cores) - 1:
+                core = core.index_select(core.dim() - 1, keep[k])
+                if fold:
+                    core = core * self.gates[k][keep[k]]
             new_cores.append(core.contiguous())
-        requires_grad = self.cores[0].requires_grad
-        self.cores = nn.ParameterList(nn.Parameter(c, requires_grad=requires_grad) for c in new_cores)
-        self.gates = nn.ParameterList(
-            nn.Parameter(torch.ones_like(g[idx]), requires_grad=g.requires_grad)
-            for g, idx in zip(self.gates, keep)
-        )
+        new_gates = [torch.ones_like(g[idx]) if fold else g.detach()[idx].clone()
+                     for g, idx in zip(self.gates, keep)]
+        self._replace_factors(new_cores, new_gates)
         return self.bond_dims
+
+    @torch.no_grad()
+    def expand_(self, cores: list[torch.Tensor], gates: list[torch.Tensor], kept: list[list[int]]) -> None:
+        """Load truncated cores and gates into this (larger) layer at the ``kept`` bond indices;
+        every other index gets a closed gate and zero core slices. Inverse of prune_ranks(fold=False)."""
+        kept = [torch.as_tensor(idx, dtype=torch.long, device=self.cores[0].device) for idx in kept]
+        last = len(self.cores) - 1
+        for k, (param, small) in enumerate(zip(self.cores, cores)):
+            full = small.to(param)
+            if k > 0:
+                full = _expand_axis(full, kept[k - 1], param.shape[0], 0)
+            if k < last:
+                full = _expand_axis(full, kept[k], param.shape[-1], param.dim() - 1)
+            param.copy_(full)
+        for gate, small, idx in zip(self.gates, gates, kept):
+            gate.copy_(_expand_axis(small.to(gate), idx, gate.shape[0], 0))
+
+    def _replace_factors(self, cores: list[torch.Tensor], gates: list[torch.Tensor]) -> None:
+        requires_grad = self.cores[0].requires_grad
+        self.cores = nn.ParameterList(nn.Parameter(c, requires_grad=requires_grad) for c in cores)
+        self.gates = nn.ParameterList(
+            nn.Parameter(g, requires_grad=old.requires_grad) for g, old in zip(gates, self.gates))
 
     def _tt_repr(self) -> str:
         s = self.spec
         return (f"layout={s.layout}, row_modes={s.row_modes}, col_modes={s.col_modes}, "
                 f"ranks={self.ranks}, gated={self.gated}")
+
+
+def _expand_axis(tensor: torch.Tensor, index: torch.Tensor, size: int, axis: int) -> torch.Tensor:
+    """A zero tensor of ``size`` along ``axis`` holding ``tensor`` at positions ``index``."""
+    shape = list(tensor.shape)
+    shape[axis] = size
+    return tensor.new_zeros(shape).index_copy_(axis, index, tensor)

@@ -1,0 +1,102 @@
+"""`comera train`: rank-adaptive continued pre-training (a thin shell over comera_convert.training)."""
+
+from __future__ import annotations
+
+import time
+
+import click
+
+from . import main
+from .console import console
+
+
+def _rich_progress_callback(total_steps: int, tokens_per_step: int):
+    """A TrainerCallback drawing a rich progress bar with loss, ratio and tokens/s."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from transformers import TrainerCallback
+
+    class RichProgress(TrainerCallback):
+        def __init__(self):
+            self.bar = None
+            self.start = None
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            if state.is_world_process_zero:
+                self.bar = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
+                                    TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=console())
+                self.task = self.bar.add_task("train", total=total_steps, completed=state.global_step, info="")
+                self.bar.start()
+                self.start, self.first_step = time.perf_counter(), state.global_step
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if self.bar is None or not logs or "ratio" not in logs:
+                return
+            elapsed = max(time.perf_counter() - self.start, 1e-9)
+            rate = (state.global_step - self.first_step) * tokens_per_step / elapsed
+            info = (f"loss {logs.get('task_loss', logs.get('loss', float('nan'))):.3f}  "
+                    f"ratio {logs['ratio']:.2f}x  {rate:,.0f} tok/s  {logs.get('stage', '')}")
+            self.bar.update(self.task, completed=state.global_step, info=info)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self.bar is not None:
+                self.bar.update(self.task, completed=state.global_step)
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if self.bar is not None:
+                self.bar.stop()
+
+    return RichProgress()
+
+
+OPTION_NAMES = ["objective", "data", "steps", "seq_len", "batch_size", "gradient_accumulation_steps",
+                "lr_cores", "lr_gates", "lr_rest", "beta", "tau", "early_steps", "target_ratio", "teacher",
+                "logging_steps", "save_steps", "seed", "warmup_steps", "bf16", "compile"]
+
+
+@main.command()
+@click.argument("model")
+@click.option("--data", default=None, help="Text file, directory, JSONL, dataset name, or python-stdlib [default].")
+@click.option("--objective", type=click.Choice(["auto", "mlm", "clm", "distill"]), default=None,
+              help="Task loss [default: auto].")
+@click.option("--max-steps", "--steps", "steps", type=int, default=None, help="Optimizer steps [default: 1000].")
+@click.option("--target-ratio", type=float, default=None, help="Whole-model ratio to reach in the late stage.")
+@click.option("--seq-len", type=int, default=None, help="Tokens per packed block [default: 128].")
+@click.option("--per-device-train-batch-size", "--batch-size", "batch_size", type=int, default=None,
+              help="Blocks per step and device [default: 8].")
+@click.option("--gradient-accumulation-steps", type=int, default=None)
+@click.option("--lr-cores", type=float, default=None, help="AdamW rate of the TT cores [default: 1e-4].")
+@click.option("--lr-gates", type=float, default=None, help="AdamW rate of the rank gates [default: 1e-3].")
+@click.option("--lr-rest", type=float, default=None, help="AdamW rate of dense parameters [default: 5e-5].")
+@click.option("--beta", type=float, default=None, help="Weight of the rank term, early stage [default: 0.01].")
+@click.option("--tau", type=float, default=None, help="Gate pruning threshold [default: 1e-2].")
+@click.option("--early-steps", type=int, default=None, help="Steps of the early stage [default: 2/3 of steps].")
+@click.option("--teacher", default=None, help="Dense teacher for distill [default: the recorded source].")
+@click.option("--logging-steps", type=int, default=None)
+@click.option("--save-steps", type=int, default=None)
+@click.option("--warmup-steps", type=int, default=None)
+@click.option("--seed", type=int, default=None)
+@click.option("--bf16/--no-bf16", default=None, help="bf16 autocast [default: on with CUDA].")
+@click.option("--compile", is_flag=True, default=None, help="torch.compile with CUDA graphs (fixed shapes).")
+@click.option("--recipe", type=click.Path(dir_okay=False), default=None, help="A YAML training recipe.")
+@click.option("--out", type=click.Path(), required=True, help="Output directory (checkpoints go in out/checkpoints).")
+@click.option("--resume", is_flag=True, help="Resume from the last checkpoint in OUT/checkpoints.")
+@click.option("--overwrite", is_flag=True, help="Replace a non-empty output directory.")
+def train(model, recipe, out, resume, overwrite, **values):
+    """Continue pre-training a compressed MODEL while CoMERA adapts its TT ranks."""
+    from ..recipes import train_options
+    from ..training import train as run_training
+
+    options = train_options(recipe, {k: values[k] for k in OPTION_NAMES})
+    tokens = options.batch_size * options.gradient_accumulation_steps * options.seq_len
+    result = run_training(model, options, out, resume=resume, overwrite=overwrite,
+                          callbacks=[_rich_progress_callback(options.steps, tokens)])
+    if result.report is None:
+        return  # not the main process of a distributed run
+    from .render import modules_table
+
+    printer = console()
+    printer.print(modules_table(result.report, by_block=False))
+    printer.print(f"objective {result.objective}, {result.steps} steps: held-out loss "
+                  f"{result.held_out_before:.4f} -> {result.held_out_after:.4f}; ratio "
+                  f"{result.ratio_before:.2f}x -> {result.ratio_after:.2f}x")
+    printer.print(f"[green]wrote[/] {result.out} (curve: {result.out / 'training_curve.png'})")

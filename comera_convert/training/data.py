@@ -1,0 +1,149 @@
+"""Training text: files, directories, JSONL, Hugging Face datasets, or the built-in corpus.
+
+``python-stdlib`` is the source of the running Python's standard library (real code and
+docstrings, as in CoMERA's code pre-training experiment); it needs no network. Documents are
+split into train and held-out sets by a fixed rule (every 20th document is held out), tokenized
+with the checkpoint's tokenizer and packed into blocks of ``seq_len`` tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from ..errors import ConfigError
+
+BUILTIN = "python-stdlib"
+TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".c", ".h", ".js", ".ts", ".java", ".go", ".rs", ".json",
+                 ".html", ".css", ".sh", ".yaml", ".yml", ".toml", ".tex"}
+HELD_OUT_EVERY = 20  # document i is held out when i % 20 == 19: 5 %
+
+
+def stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts)
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError):
+        return None
+
+
+def _jsonl(path: Path) -> Iterator[str]:
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                raise ConfigError(f"{path}:{number} is not valid JSON (expected one object per line)") from None
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                raise ConfigError(f"{path}:{number}: expected an object with a \"text\" string field")
+            yield record["text"]
+
+
+def _dataset(name: str) -> Iterator[str]:
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(f"--data {name!r} is neither a file nor a directory; to use it as a Hugging Face "
+                          "dataset, pip install datasets") from None
+    try:
+        if Path(name).is_dir():
+            data = datasets.load_from_disk(name)
+        else:
+            data = datasets.load_dataset(name, split="train")
+    except Exception as err:  # datasets raises many kinds; all mean "cannot have it"
+        raise ConfigError(f"cannot load the dataset {name!r} ({type(err).__name__}): check the name, or pass a "
+                          "text file, a directory or a JSONL file") from None
+    if hasattr(data, "keys") and "train" in data:
+        data = data["train"]
+    if "text" not in data.column_names:
+        raise ConfigError(f"dataset {name!r} has no \"text\" column (columns: {', '.join(data.column_names)})")
+    yield from data["text"]
+
+
+def documents(source: str) -> Iterator[str]:
+    """The documents of a data source, in a fixed order."""
+    if source == BUILTIN:
+        for path in stdlib_files():
+            text = _read(path)
+            if text:
+                yield text
+        return
+    path = Path(source).expanduser()
+    if path.is_dir() and (path / "dataset_info.json").is_file():  # datasets' save_to_disk folder
+        yield from _dataset(str(path))
+        return
+    if path.is_file():
+        yield from (_jsonl(path) if path.suffix == ".jsonl" else [path.read_text(encoding="utf-8",
+                                                                                  errors="replace")])
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+        if not files:
+            raise ConfigError(f"--data {source}: the directory has no text files "
+                              f"(looked for {', '.join(sorted(TEXT_SUFFIXES))})")
+        for file in files:
+            text = _read(file)
+            if text:
+                yield text
+    elif path.suffix in (".txt", ".jsonl", ".json") or "/" in source and not Path(source).parent.exists():
+        raise ConfigError(f"--data {source}: no such file or directory")
+    else:
+        yield from _dataset(source)
+
+
+@dataclass
+class Blocks:
+    train: list[torch.Tensor]
+    held_out: list[torch.Tensor]
+
+
+def pack(source: str, tokenizer, seq_len: int, max_train_blocks: int, max_held_out_blocks: int) -> Blocks:
+    """Tokenize documents and pack them into blocks of ``seq_len`` token ids.
+
+    Documents are joined with the separator (or end-of-text) token; encoder tokenizers get
+    [CLS] ... [SEP] around each block. Stops reading once both sets are full.
+    """
+    cls_id, sep_id = tokenizer.cls_token_id, tokenizer.sep_token_id
+    joiner = sep_id if sep_id is not None else tokenizer.eos_token_id
+    wrap = cls_id is not None and sep_id is not None
+    body = seq_len - 2 if wrap else seq_len
+    if body < 1:
+        raise ConfigError(f"--seq-len {seq_len} is too short (expected at least 3)")
+    streams = {"train": [], "held_out": []}
+    blocks = {"train": [], "held_out": []}
+    limits = {"train": max_train_blocks, "held_out": max_held_out_blocks}
+    empty = True
+    for index, text in enumerate(documents(source)):
+        empty = False
+        split = "held_out" if index % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 else "train"
+        if len(blocks[split]) >= limits[split]:
+            if all(len(blocks[s]) >= limits[s] for s in blocks):
+                break
+            continue
+        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+        stream = streams[split]
+        stream.extend(ids + ([joiner] if joiner is not None else []))
+        while len(stream) >= body and len(blocks[split]) < limits[split]:
+            chunk, streams[split] = stream[:body], stream[body:]
+            stream = streams[split]
+            blocks[split].append(torch.tensor([cls_id] + chunk + [sep_id] if wrap else chunk))
+    if empty:
+        raise ConfigError(f"--data {source}: no text found (the source is empty)")
+    if not blocks["train"]:
+        raise ConfigError(f"--data {source}: too little text for one training block of {seq_len} tokens")
+    train, held_out = blocks["train"], blocks["held_out"]
+    if not held_out and len(train) > 1:
+        # Fewer than 20 documents: hold out the last blocks instead (5 %, at least one).
+        cut = len(train) - max(1, len(train) // HELD_OUT_EVERY)
+        train, held_out = train[:cut], train[cut:]
+    return Blocks(train=train, held_out=held_out)

@@ -1,0 +1,102 @@
+"""Training objectives: which head to load, how to batch, and the task loss L.
+
+mlm      masked LM (encoders); a base model gets an LM head whose decoder is tied to its embedding
+clm      causal LM (decoders)
+distill  match the dense teacher's last hidden states and mean-pooled sentence embedding
+auto     mlm for encoders, clm for decoders
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import ConfigError
+
+
+def _supports(model_type: str, mapping_name: str) -> bool:
+    from transformers.models.auto import modeling_auto
+
+    return model_type in getattr(modeling_auto, mapping_name)
+
+
+def resolve_objective(objective: str, config: dict) -> str:
+    model_type = config.get("model_type", "")
+    masked = _supports(model_type, "MODEL_FOR_MASKED_LM_MAPPING_NAMES")
+    causal = _supports(model_type, "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES") and not masked
+    if objective == "auto":
+        return "clm" if causal else "mlm"
+    if objective == "mlm" and not masked:
+        raise ConfigError(f"objective mlm needs a masked-LM architecture; {model_type} is causal: "
+                          "use --objective clm (or distill)")
+    if objective == "clm" and not _supports(model_type, "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"):
+        raise ConfigError(f"objective clm needs a causal-LM architecture; {model_type} has none: "
+                          "use --objective mlm (or distill)")
+    return objective
+
+
+def task_for(objective: str) -> str:
+    """The comera_convert.models task (Auto class) to load the student with."""
+    return {"mlm": "mlm", "clm": "clm", "distill": "base"}[objective]
+
+
+class BlockCollator:
+    """Stacks packed blocks into a batch; for mlm, masks them as BERT does (15 %: 80 % [MASK],
+    10 % random, 10 % kept).
+
+    The masks of block i come from a generator seeded with (seed, i), not from the global RNG:
+    a resumed run masks every block exactly as the uninterrupted run did (the data loader
+    collates one batch ahead, before a checkpoint saves the RNG state).
+    """
+
+    def __init__(self, objective: str, tokenizer, mlm_probability: float, seed: int = 0):
+        self.objective, self.probability, self.seed = objective, mlm_probability, seed
+        self.mask_id, self.vocab = tokenizer.mask_token_id, len(tokenizer)
+        self.special = set(tokenizer.all_special_ids)
+        if objective == "mlm" and self.mask_id is None:
+            raise ConfigError("objective mlm needs a tokenizer with a mask token")
+
+    def _mask(self, ids: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        chosen = torch.rand(ids.shape, generator=generator) < self.probability
+        chosen &= ~torch.tensor([t in self.special for t in ids.tolist()])
+        labels = torch.where(chosen, ids, torch.full_like(ids, -100))
+        roll = torch.rand(ids.shape, generator=generator)
+        random_tokens = torch.randint(self.vocab, ids.shape, generator=generator)
+        masked = torch.where(chosen & (roll < 0.8), torch.full_like(ids, self.mask_id), ids)
+        masked = torch.where(chosen & (roll >= 0.8) & (roll < 0.9), random_tokens, masked)
+        return masked, labels
+
+    def __call__(self, examples: list[dict]) -> dict:
+        ids = torch.stack([e["input_ids"] for e in examples])
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        if self.objective == "mlm":
+            pairs = [self._mask(e["input_ids"], int(e.get("index", i))) for i, e in enumerate(examples)]
+            batch["input_ids"] = torch.stack([p[0] for p in pairs])
+            batch["labels"] = torch.stack([p[1] for p in pairs])
+        elif self.objective == "clm":
+            batch["labels"] = ids.clone()  # the model shifts them
+        return batch
+
+
+def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    mask = mask.unsqueeze(-1).to(hidden.dtype)
+    return (hidden * mask).sum(1) / mask.sum(1).clamp_min(1)
+
+
+def distill_loss(student_hidden, teacher_hidden, mask) -> torch.Tensor:
+    """Hidden-state MSE (relative to the teacher's scale) + (1 - cosine) of pooled embeddings."""
+    weight = mask.unsqueeze(-1).to(student_hidden.dtype)
+    mse = ((student_hidden - teacher_hidden) ** 2 * weight).sum() / (teacher_hidden ** 2 * weight).sum()
+    cosine = F.cosine_similarity(mean_pool(student_hidden, mask), mean_pool(teacher_hidden, mask), dim=-1)
+    return mse + (1 - cosine).mean()
+
+
+def task_loss(objective: str, model, inputs: dict, teacher=None) -> torch.Tensor:
+    if objective in ("mlm", "clm"):
+        return model(**inputs).loss
+    batch = {k: v for k, v in inputs.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+    mask = batch.get("attention_mask", torch.ones_like(batch["input_ids"]))
+    with torch.no_grad():
+        target = teacher(**batch).last_hidden_state
+    return distill_loss(model(**batch).last_hidden_state, target, mask)

@@ -1,0 +1,97 @@
+"""TrainOptions: every constant of CoMERA's rank-adaptive training, validated (what recipes hold).
+
+Defaults are CoMERA's (NeurIPS 2024, Sec. 3 and Appendix): AdamW with learning rates 1e-4 for
+the TT cores, 1e-3 for the rank gates and 5e-5 for the dense rest; beta = 0.01; pruning
+threshold tau = 1e-2; early stage for two thirds of training (20 of 30 epochs), late stage
+aiming at 0.2 of the model size at the switch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+from ..errors import ConfigError, expected
+
+OBJECTIVES = ("auto", "mlm", "clm", "distill")
+
+
+@dataclass
+class TrainOptions:
+    objective: str = "auto"
+    data: str = "python-stdlib"
+    steps: int = 1000
+    seq_len: int = 128
+    batch_size: int = 8  # per device, as TrainingArguments' per_device_train_batch_size
+    gradient_accumulation_steps: int = 1
+    # CoMERA's three AdamW learning rates.
+    lr_cores: float = 1e-4
+    lr_gates: float = 1e-3
+    lr_rest: float = 5e-5
+    weight_decay: float = 0.01  # cores and dense rest; gates have none (their size term is the regularizer)
+    warmup_steps: int = 0
+    # Early stage: L + beta * mean(|active gates|).
+    beta: float = 0.01
+    # A gate entry below tau is pruned for good (CoMERA's 1e-2).
+    tau: float = 1e-2
+    # Steps of the early stage; None = two thirds of `steps` (CoMERA: 20 of 30 epochs).
+    early_steps: int | None = None
+    # Also switch early when the loss stops improving: relative EMA gain below plateau_tol over
+    # plateau_window steps. 0 disables the plateau test.
+    plateau_window: int = 0
+    plateau_tol: float = 1e-3
+    # Late stage target size: --target-ratio (whole model, vs the dense source) or, if unset,
+    # target_fraction of the TT size at the switch (CoMERA: 0.2).
+    target_ratio: float | None = None
+    target_fraction: float = 0.2
+    # Late stage target loss L0; None = the (smoothed) loss at the switch.
+    target_loss: float | None = None
+    # Weight of the weighted-sum term L + beta * R added to the min-max step in the late stage.
+    late_weighted_sum: float = 0.1
+    # Weight of the rank surrogate when size is the worse-off objective in the late stage.
+    late_rank_weight: float = 1.0
+    mlm_probability: float = 0.15
+    teacher: str | None = None
+    logging_steps: int = 10
+    save_steps: int = 500
+    eval_steps: int | None = None
+    seed: int = 0
+    max_nan_steps: int = 5  # consecutive non-finite losses tolerated (each step skipped) before stopping
+    bf16: bool | None = None  # None = on when CUDA is available
+    compile: bool = False  # torch.compile with CUDA graphs ("reduce-overhead") for the model
+    max_eval_blocks: int = 64
+    version: int = 1
+
+    def __post_init__(self):
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(expected(f"an objective in {OBJECTIVES}", self.objective))
+        for name in ("steps", "seq_len", "batch_size", "gradient_accumulation_steps", "logging_steps",
+                     "save_steps", "max_nan_steps", "max_eval_blocks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(expected(f"{name} as a positive integer", value))
+        for name in ("lr_cores", "lr_gates", "lr_rest", "beta", "tau", "target_fraction", "mlm_probability"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ConfigError(expected(f"{name} as a non-negative number", value))
+        if not 0 < self.target_fraction <= 1:
+            raise ConfigError(expected("target_fraction in (0, 1]", self.target_fraction))
+        if self.target_ratio is not None and (not isinstance(self.target_ratio, (int, float))
+                                              or self.target_ratio <= 1):
+            raise ConfigError(expected("a target ratio greater than 1", self.target_ratio))
+        if self.early_steps is None:
+            self.early_steps = max(1, (2 * self.steps) // 3)
+        if not 0 <= self.early_steps <= self.steps:
+            raise ConfigError(expected(f"early_steps between 0 and steps ({self.steps})", self.early_steps))
+
+    @classmethod
+    def from_dict(cls, data: dict, origin: str = "options") -> "TrainOptions":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"{origin}: unknown key(s) {', '.join(unknown)} "
+                              f"(expected some of: {', '.join(sorted(known))})")
+        return cls(**data)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

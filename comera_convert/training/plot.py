@@ -1,0 +1,35 @@
+"""The training curve: task loss and model ratio over steps, as a PNG beside the checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def plot_history(history: list[dict], path: Path) -> Path | None:
+    rows = [h for h in history if h.get("loss") is not None]
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    steps = [h["step"] for h in rows]
+    fig, loss_axis = plt.subplots(figsize=(7, 4), dpi=100)
+    loss_axis.plot(steps, [h["loss"] for h in rows], color="tab:blue", label="task loss")
+    loss_axis.set_xlabel("step")
+    loss_axis.set_ylabel("task loss", color="tab:blue")
+    ratio_axis = loss_axis.twinx()
+    ratio_axis.plot(steps, [h["ratio"] for h in rows], color="tab:red", label="model ratio")
+    ratio_axis.set_ylabel("compression ratio vs dense", color="tab:red")
+    late = [h["step"] for h in rows if h.get("stage") == "late"]
+    if late:
+        loss_axis.axvline(late[0], color="gray", linestyle="--", linewidth=1)
+        loss_axis.text(late[0], loss_axis.get_ylim()[1], " late stage", va="top", fontsize=8, color="gray")
+    fig.suptitle("comera train: loss and compression")
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    tmp.replace(path)
+    return path

