@@ -157,3 +157,28 @@ def test_non_linear_is_refused():
 def test_wrong_input_width_is_refused():
     with pytest.raises(ValueError, match=r"last dimension 32"):
         TTLinear(32, 16, rank=4)(torch.randn(2, 31))
+
+
+def test_inference_reuses_merged_halves_until_the_cores_change():
+    tt = TTLinear(64, 48, rank=4, d=2)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        first = tt(x)
+        assert len(tt._inference_cache) == 1
+        assert torch.equal(tt(x), first)
+        tt.cores[0].mul_(2.0)  # an optimizer step or a load changes the cores in place
+        changed = tt(x)
+    assert not torch.equal(changed, first)
+    assert rel_err(changed, x @ tt.dense_weight().t() + tt.bias) < 1e-5
+
+
+def test_custom_backward_matches_autograd_through_plain_ops():
+    tt = TTLinear(96, 80, rank=6, dtype=torch.float64)
+    x = torch.randn(7, 96, dtype=torch.float64, requires_grad=True)
+    tt(x).pow(2).sum().backward()
+    ours = [x.grad.clone()] + [p.grad.clone() for p in tt.parameters()]
+    x.grad = None
+    tt.zero_grad()
+    (x @ tt.dense_weight().t() + tt.bias).pow(2).sum().backward()
+    reference = [x.grad] + [p.grad for p in tt.parameters()]
+    assert all(rel_err(a, b) < 1e-10 for a, b in zip(ours, reference))

@@ -43,7 +43,7 @@ def main() -> None:
 
 
 def _register() -> None:
-    from . import commands, train_command  # noqa: F401  (registers the subcommands on `main`)
+    from . import bench_command, commands, train_command  # noqa: F401  (registers the subcommands)
 
 
 _register()

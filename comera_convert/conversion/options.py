@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 from ..errors import ConfigError, expected
+from ..option_files import from_mapping
 from ..tt.spec import LAYOUTS
 
 
@@ -53,12 +54,7 @@ class ConvertOptions:
 
     @classmethod
     def from_dict(cls, data: dict, origin: str = "options") -> "ConvertOptions":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"{origin}: unknown key(s) {', '.join(unknown)} "
-                              f"(expected some of: {', '.join(sorted(known))})")
-        return cls(**data)
+        return from_mapping(cls, data, origin)
 
     def to_dict(self) -> dict:
         return asdict(self)

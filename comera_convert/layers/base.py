@@ -18,6 +18,12 @@ from ..tt.counting import num_params
 from ..tt.spec import TTSpec
 
 
+def check_size(name: str, value) -> None:
+    """A layer dimension must be a positive int (not a bool, not a float)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(expected(f"{name} as a positive int", value))
+
+
 class TTModule(nn.Module):
     """Cores of a TT matrix with optional rank gates. Subclasses define ``forward``."""
 
@@ -37,7 +43,8 @@ class TTModule(nn.Module):
     @property
     def spec(self) -> TTSpec:
         """The layer's TT spec, with the ranks its cores have now."""
-        ranks = tuple(core.shape[-1] for core in self.cores[:-1])
+        cores = list(self.cores)  # (slicing a ParameterList would build a new module)
+        ranks = tuple(core.shape[-1] for core in cores[:-1])
         if ranks != self._shape.ranks:
             self._shape = self._shape.with_ranks(ranks)
         return self._shape
@@ -61,6 +68,18 @@ class TTModule(nn.Module):
     @property
     def gated(self) -> bool:
         return self.gates is not None
+
+    def cached(self, name: str, compute):
+        """``compute()``, remembered across calls while autograd is off (inference) and the cores and
+        gates are unchanged: the merged halves do not depend on the input, so eval mode builds them
+        once. With autograd on it is always recomputed (the graph must reach the cores)."""
+        if torch.is_grad_enabled():
+            return compute()
+        stamp = tuple((p.data_ptr(), p._version) for p in list(self.cores) + list(self.gates or []))
+        cache = self.__dict__.setdefault("_inference_cache", {})
+        if name not in cache or cache[name][0] != stamp:
+            cache[name] = (stamp, compute())
+        return cache[name][1]
 
     def gated_cores(self) -> list[torch.Tensor]:
         """The cores with the gates folded in: what the forward pass contracts."""

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..errors import expected
-from ..tt.contract import linear_transposed
+from ..tt.contract import embedding_halves, through_bond
 from .tt_embedding import TTEmbedding
 
 
@@ -27,8 +27,16 @@ class TiedTTHead(nn.Module):
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear_transposed(x, self.embedding.gated_cores(), self.embedding.spec)
-        return y + self.bias if self.bias is not None else y
+        spec = self.embedding.spec
+        if spec.layout == "tt":  # x R^T L^T + b through the cached (in eval) halves of the embedding
+            left, right = self.embedding.cached("halves-0", lambda: embedding_halves(
+                self.embedding.gated_cores(), spec, 0))
+            return through_bond(x, right.t(), left.t(), self.bias)
+        # ttm: build the (vocab x dim) table once and run one GEMM. The logits are tokens x vocab
+        # anyway; contracting core by core would hold a tokens x rows x rank x cols intermediate
+        # many times their size.
+        table = self.embedding.cached("table", self.embedding.dense_matrix)
+        return torch.nn.functional.linear(x, table, self.bias)
 
     def dense_weight(self) -> torch.Tensor:
         """The (vocab, dim) weight: the embedding's table."""

@@ -6,10 +6,11 @@ import torch
 from torch import nn
 
 from ..errors import expected
-from ..tt import embedding_rows, matrix_to_cores
+from ..tt import matrix_to_cores
+from ..tt.contract import embedding_halves, rows_from_halves
 from ..tt.counting import embedding_lookup_flops, ttm_split
 from ..tt.spec import TTSpec
-from .base import TTModule
+from .base import TTModule, check_size
 from .tt_linear import DEFAULT_ORDER, DEFAULT_RANK
 
 
@@ -25,9 +26,8 @@ class TTEmbedding(TTModule):
                  rank=DEFAULT_RANK, layout: str = "ttm", d: int = DEFAULT_ORDER,
                  row_modes=None, col_modes=None, gates: bool = True, device=None, dtype=None):
         super().__init__()
-        for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(expected(f"{name} as a positive int", value))
+        check_size("num_embeddings", num_embeddings)
+        check_size("embedding_dim", embedding_dim)
         if padding_idx is not None:
             if not -num_embeddings <= padding_idx < num_embeddings:
                 raise ValueError(expected(f"padding_idx within [-{num_embeddings}, {num_embeddings})",
@@ -73,7 +73,8 @@ class TTEmbedding(TTModule):
         split = 0
         if spec.layout == "ttm":
             split = ttm_split(spec, indices.numel(), cost=embedding_lookup_flops)
-        rows = embedding_rows(indices.long(), self.gated_cores(), spec, split)
+        halves = self.cached(f"halves-{split}", lambda: embedding_halves(self.gated_cores(), spec, split))
+        rows = rows_from_halves(indices.long(), halves, spec)
         if self.padding_idx is not None and self.training:
             is_pad = (indices == self.padding_idx).unsqueeze(-1)
             rows = torch.where(is_pad, rows.detach(), rows)

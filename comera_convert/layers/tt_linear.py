@@ -8,10 +8,11 @@ import torch
 from torch import nn
 
 from ..errors import expected
-from ..tt import matrix_to_cores, tt_linear, ttm_linear
+from ..tt import matrix_to_cores, ttm_linear
+from ..tt.contract import through_bond, tt_halves
 from ..tt.counting import ttm_split
 from ..tt.spec import TTSpec
-from .base import TTModule
+from .base import TTModule, check_size
 
 # CoMERA's linear configuration: 3 input and 3 output modes, internal ranks 30.
 DEFAULT_ORDER = 3
@@ -38,9 +39,8 @@ class TTLinear(TTModule):
                  rank=DEFAULT_RANK, layout: str = "tt", d: int = DEFAULT_ORDER,
                  in_modes=None, out_modes=None, gates: bool = True, device=None, dtype=None):
         super().__init__()
-        for name, value in (("in_features", in_features), ("out_features", out_features)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(expected(f"{name} as a positive int", value))
+        check_size("in_features", in_features)
+        check_size("out_features", out_features)
         self.in_features = in_features
         self.out_features = out_features
         self.dense_class = "Linear"
@@ -90,13 +90,12 @@ class TTLinear(TTModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(expected(f"input with last dimension {self.in_features}", tuple(x.shape)))
-        cores = self.gated_cores()
         spec = self.spec
         if spec.layout == "tt":
-            y = tt_linear(x, cores, spec)
-        else:
-            tokens = x.numel() // self.in_features
-            y = ttm_linear(x, cores, spec, ttm_split(spec, tokens))
+            left, right = self.cached("halves", lambda: tt_halves(self.gated_cores(), spec))
+            return through_bond(x, left, right, self.bias)
+        tokens = x.numel() // self.in_features
+        y = ttm_linear(x, self.gated_cores(), spec, ttm_split(spec, tokens))
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:

@@ -9,9 +9,10 @@ aiming at 0.2 of the model size at the switch.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 from ..errors import ConfigError, expected
+from ..option_files import from_mapping
 
 OBJECTIVES = ("auto", "mlm", "clm", "distill")
 
@@ -86,12 +87,7 @@ class TrainOptions:
 
     @classmethod
     def from_dict(cls, data: dict, origin: str = "options") -> "TrainOptions":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"{origin}: unknown key(s) {', '.join(unknown)} "
-                              f"(expected some of: {', '.join(sorted(known))})")
-        return cls(**data)
+        return from_mapping(cls, data, origin)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -48,10 +48,48 @@ def tt_halves(cores: list[torch.Tensor], spec: TTSpec) -> tuple[torch.Tensor, to
     return left, right
 
 
-def tt_linear(x: torch.Tensor, cores: list[torch.Tensor], spec: TTSpec) -> torch.Tensor:
-    """x (..., R) -> x M (..., C) for the tt layout: two skinny GEMMs through the rank-r bond."""
+class ThroughBond(torch.autograd.Function):
+    """y = (x L) R for x (T x R), L (R x r), R (r x C): two skinny GEMMs, and a backward that saves
+    only x, L, R and h = x L (as CoMERA does) and orients every GEMM the way CPU BLAS runs fast.
+
+    The weight gradients are taken as (h^T g)^T-style products with the long token axis as the
+    inner dimension of a row-major left operand: on 2 CPU cores x^T g (768 x 1024 x 30) takes
+    3.4 ms, g^T x 0.37 ms, for the same numbers.
+    """
+
+    @staticmethod
+    def forward(ctx, x, left, right, bias):
+        h = x @ left
+        ctx.save_for_backward(x, left, right, h)
+        ctx.has_bias = bias is not None
+        return h @ right if bias is None else torch.addmm(bias, h, right)  # bias fused into the GEMM
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, left, right, h = ctx.saved_tensors
+        grad_y = grad_y.contiguous()
+        grad_right = h.t() @ grad_y if ctx.needs_input_grad[2] else None
+        grad_h = grad_y @ right.t()
+        grad_x = grad_h @ left.t() if ctx.needs_input_grad[0] else None
+        grad_left = (grad_h.t() @ x).t() if ctx.needs_input_grad[1] else None
+        grad_bias = grad_y.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        return grad_x, grad_left, grad_right, grad_bias
+
+
+def through_bond(x: torch.Tensor, left: torch.Tensor, right: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., R) -> x L R + b (..., C)."""
+    flat = x.reshape(-1, x.shape[-1])
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    return ThroughBond.apply(flat, left, right, bias).reshape(*x.shape[:-1], right.shape[-1])
+
+
+def tt_linear(x: torch.Tensor, cores: list[torch.Tensor], spec: TTSpec,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., R) -> x M + b (..., C) for the tt layout: two skinny GEMMs through the rank-r bond."""
     left, right = tt_halves(cores, spec)
-    return (x @ left) @ right
+    return through_bond(x, left, right, bias)
 
 
 def _merge_ttm_left(cores: list[torch.Tensor]) -> torch.Tensor:
@@ -104,42 +142,32 @@ def ttm_linear(x: torch.Tensor, cores: list[torch.Tensor], spec: TTSpec, h: int)
     return y.reshape(*lead, spec.cols)
 
 
-def embedding_rows(indices: torch.Tensor, cores: list[torch.Tensor], spec: TTSpec,
-                   h: int) -> torch.Tensor:
-    """Rows M[indices] (shape indices.shape + (C,)) without building the full table.
+def embedding_halves(cores: list[torch.Tensor], spec: TTSpec, h: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two half-products rows are gathered from: tt (R x r, r x C); ttm split after core h."""
+    if spec.layout == "tt":
+        return merge_left(cores[: spec.split]), merge_right(cores[spec.split:])[:, : spec.cols]
+    return ttm_halves(cores, h)
 
-    Both halves are computed once; each requested row is then a product of a gathered slice of
-    the row half and one of the column half. Repeated indices share that work.
+
+def rows_from_halves(indices: torch.Tensor, halves, spec: TTSpec) -> torch.Tensor:
+    """Rows M[indices] (shape indices.shape + (C,)) from the half-products, without the full table.
+
+    Each requested row is a product of a gathered slice of one half and one of the other;
+    repeated indices share that work.
     """
     flat = indices.reshape(-1)
     unique, inverse = torch.unique(flat, return_inverse=True)
+    left, right = halves
     if spec.layout == "tt":
-        left = merge_left(cores[: spec.split])
-        right = merge_right(cores[spec.split:])[:, : spec.cols]
         rows = left.index_select(0, unique) @ right
     else:
-        a, b = ttm_halves(cores, h)
-        rows_r = b.shape[1]
-        left = a.index_select(0, unique // rows_r)               # (U, C_1, r)
-        right = b.index_select(1, unique % rows_r).transpose(0, 1)  # (U, r, C_2)
-        rows = (left @ right).reshape(unique.shape[0], -1)[:, : spec.cols]
+        rows_r = right.shape[1]
+        gathered_left = left.index_select(0, unique // rows_r)                  # (U, C_1, r)
+        gathered_right = right.index_select(1, unique % rows_r).transpose(0, 1)  # (U, r, C_2)
+        rows = (gathered_left @ gathered_right).reshape(unique.shape[0], -1)[:, : spec.cols]
     return rows.index_select(0, inverse).reshape(*indices.shape, spec.cols)
 
 
-
-def ttm_transpose(cores: list[torch.Tensor], spec: TTSpec) -> tuple[list[torch.Tensor], TTSpec]:
-    """Cores and spec of M^T for a ttm matrix: each core's row and column axes swapped (views)."""
-    t_spec = TTSpec("ttm", spec.cols, spec.rows, spec.col_modes, spec.row_modes, spec.ranks)
-    return [c.permute(0, 2, 1, 3) for c in cores], t_spec
-
-
-def linear_transposed(x: torch.Tensor, cores: list[torch.Tensor], spec: TTSpec) -> torch.Tensor:
-    """x (..., C) -> x M^T (..., R): a tied output head over an embedding's cores.
-
-    tt: x R^T L^T through the two halves. ttm: the transposed chain, contracted as a linear.
-    """
-    if spec.layout == "tt":
-        left, right = tt_halves(cores, spec)
-        return (x @ right.T) @ left.T
-    t_cores, t_spec = ttm_transpose(cores, spec)
-    return ttm_linear(x, t_cores, t_spec, ttm_split(t_spec, x.numel() // spec.cols))
+def embedding_rows(indices: torch.Tensor, cores: list[torch.Tensor], spec: TTSpec, h: int) -> torch.Tensor:
+    """Rows M[indices] straight from the cores (both halves built for this call)."""
+    return rows_from_halves(indices, embedding_halves(cores, spec, h), spec)

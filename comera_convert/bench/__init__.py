@@ -1,0 +1,38 @@
+"""`comera bench`: measured side by side in one run, as ratios; never asserted in tests.
+
+timing   medians after warm-up (CUDA events), peak memory (CUDA allocator, or CPU peak RSS)
+layers   TTLinear vs nn.Linear vs tensorly-torch; TTEmbedding vs nn.Embedding vs a naive lookup
+models   a bert-base training step (dense, GaLore, TT), inference latency, conversion time
+child    one training-step variant in a fresh process
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layers import embedding_case, layer_case
+from .models import convert_case, inference_case, train_step_case
+
+CASES = {"layer": layer_case, "embedding": embedding_case, "train-step": train_step_case,
+         "convert": convert_case, "inference": inference_case}
+
+
+def machine() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    model = "unknown CPU"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {torch.get_num_threads()} threads"
+
+
+def run(cases, device: str, dtype: torch.dtype, quick: bool, repeats: int) -> list[dict]:
+    rows = []
+    for name in cases:
+        rows.extend(CASES[name](device, dtype, quick, repeats))
+    return rows

@@ -1,0 +1,120 @@
+"""Layer-level cases: TTLinear against nn.Linear (and tensorly-torch), TTEmbedding against nn.Embedding."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..layers import TTEmbedding, TTLinear
+from ..tt import linear_forward_flops, num_params
+from ..tt.counting import dense_linear_flops
+from .timing import PeakMemory, median_seconds
+
+COMERA_RANK = 30  # CoMERA's linear configuration: tt layout, 3 + 3 modes, internal ranks 30
+LAYER_SHAPES = [(768, 768), (768, 3072), (3072, 768), (4096, 11008)]
+QUICK_SHAPES = [(128, 128), (128, 512)]
+
+
+def ratio4_rank(quick: bool) -> int:
+    """The shared rank `comera convert bert-base --ratio 4` allocates (computed on a meta-device model)."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    from ..conversion.allocate import LayoutChoice, allocate_ranks
+    from ..conversion.targets import find_candidates
+
+    config = BertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512) \
+        if quick else BertConfig()
+    with torch.device("meta"):
+        model = BertForMaskedLM(config)
+    candidates, _, _ = find_candidates(model)
+    _, rank = allocate_ranks(candidates, sum(p.numel() for p in model.parameters()), 4.0, LayoutChoice())
+    return rank
+
+
+def _fwd_bwd(layer, x, grad):
+    def step():
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        layer(x).backward(grad)
+    return step
+
+
+def layer_case(device: str, dtype: torch.dtype, quick: bool, repeats: int) -> list[dict]:
+    tokens = 128 if quick else (4096 if device == "cuda" else 1024)
+    shapes = QUICK_SHAPES if quick else [s for s in LAYER_SHAPES if device == "cuda" or s[0] * s[1] < 4e7]
+    configs = [("comera r30", COMERA_RANK), ("--ratio 4", ratio4_rank(quick))]
+    rows = []
+    for rows_in, cols_out in shapes:
+        dense = nn.Linear(rows_in, cols_out, device=device, dtype=dtype)
+        x = torch.randn(tokens, rows_in, device=device, dtype=dtype, requires_grad=True)
+        grad = torch.randn(tokens, cols_out, device=device, dtype=dtype)
+        dense_time = median_seconds(_fwd_bwd(dense, x, grad), repeats, device=device)
+        dense_flops = dense_linear_flops(rows_in, cols_out, tokens)
+        for name, rank in configs:
+            tt = TTLinear.from_linear(dense, rank=rank)
+            tt_time = median_seconds(_fwd_bwd(tt, x, grad), repeats, device=device)
+            flop_ratio = dense_flops / linear_forward_flops(tt.spec, tokens)
+            rows.append(_layer_row(f"TTLinear {name}", device, dtype, rows_in, cols_out, tokens, tt.spec.ranks,
+                                   rows_in * cols_out / num_params(tt.spec), flop_ratio, dense_time / tt_time))
+            rows.extend(_peer_row(dense, rank, x, grad, dense_time, name, device, dtype, tokens, repeats,
+                                  num_params(tt.spec)))
+    return rows
+
+
+def _layer_row(method, device, dtype, rows_in, cols_out, tokens, ranks, params_ratio, flop_ratio, speedup):
+    return {"case": "layer", "method": method, "device": device, "dtype": str(dtype).replace("torch.", ""),
+            "shape": f"{rows_in}x{cols_out}", "tokens": tokens, "ranks": list(ranks),
+            "params_ratio": round(params_ratio, 2), "flop_ratio": round(flop_ratio, 2),
+            "speedup": round(speedup, 2), "speedup_per_flop_ratio": round(speedup / flop_ratio, 2)}
+
+
+def _peer_row(dense, rank, x, grad, dense_time, name, device, dtype, tokens, repeats, tt_params):
+    """tensorly-torch's FactorizedLinear (block TT) at about the same parameter count, when installed."""
+    try:
+        import tltorch
+    except ImportError:
+        return []
+    params = dense.in_features * dense.out_features
+    peer = tltorch.FactorizedLinear.from_linear(dense, n_tensorized_modes=3, factorization="blocktt",
+                                                rank=min(1.0, tt_params / params))
+    peer = peer.to(device=device, dtype=dtype)
+    peer_time = median_seconds(_fwd_bwd(peer, x, grad), repeats, device=device)
+    peer_params = sum(p.numel() for p in peer.parameters() if p is not getattr(peer, "bias", None))
+    flops = 2 * tokens * dense.in_features * dense.out_features  # it rebuilds W, then one dense GEMM
+    return [_layer_row(f"tltorch blocktt ~{name}", device, dtype, dense.in_features, dense.out_features, tokens,
+                       [], params / peer_params, 2 * tokens * params / flops, dense_time / peer_time)]
+
+
+def embedding_case(device: str, dtype: torch.dtype, quick: bool, repeats: int) -> list[dict]:
+    vocab, dim = (4096, 128) if quick else (30522, 768)
+    batch = 4 if quick else 32
+    ids = torch.randint(0, vocab, (batch, 128), device=device)
+    dense = nn.Embedding(vocab, dim, device=device, dtype=dtype)
+    tt = TTEmbedding.from_embedding(dense, rank=COMERA_RANK)
+
+    def naive():  # one chain contraction per token, no sharing: the baseline TT lookup
+        cores = tt.gated_cores()
+        digits, rest = [], ids.reshape(-1)
+        for m in reversed(tt.spec.row_modes):
+            digits.append(rest % m)
+            rest = rest // m
+        digits.reverse()
+        row = cores[0][0, digits[0]]                        # (T, n_1, r_1)
+        for core, digit in zip(cores[1:], digits[1:]):
+            nxt = core[:, digit].permute(1, 0, 2, 3)          # (T, r, n_k, r')
+            row = torch.einsum("tar,trbs->tabs", row, nxt).reshape(row.shape[0], -1, nxt.shape[-1])
+        return row.reshape(*ids.shape, -1)[..., :dim]
+
+    rows = []
+    for method, fn, params in (("nn.Embedding", lambda: dense(ids), vocab * dim),
+                               ("TTEmbedding (shared halves)", lambda: tt(ids), num_params(tt.spec)),
+                               ("TT per-row chain (naive)", naive, num_params(tt.spec))):
+        with torch.no_grad():
+            seconds = median_seconds(fn, repeats, device=device)
+            with PeakMemory(device) as peak:
+                fn()
+        rows.append({"case": "embedding", "method": method, "device": device,
+                     "dtype": str(dtype).replace("torch.", ""), "shape": f"{vocab}x{dim}",
+                     "tokens": ids.numel(), "ranks": list(tt.spec.ranks) if "TT" in method else [],
+                     "params": params, "ms": round(seconds * 1e3, 3), "peak_mb": round(peak.bytes / 2 ** 20, 2)})
+    return rows

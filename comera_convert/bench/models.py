@@ -1,0 +1,192 @@
+"""Model-level cases: a full training step, inference latency, and conversion time (bert-base shapes).
+
+Each training-step variant is saved to disk first, then loaded, timed and measured in a fresh
+subprocess (``python -m comera_convert.bench.child``), so that its peak memory is its own: weights,
+gradients, optimizer state and activations, above the process's memory after its imports.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .timing import PeakMemory, median_seconds
+
+TRAIN_VARIANTS = ("dense AdamW", "GaLore AdamW r128", "TT comera r30", "TT --ratio 4")
+
+
+def bert_config(quick: bool):
+    from transformers import BertConfig
+
+    if quick:
+        return BertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512,
+                          vocab_size=4096)
+    return BertConfig()  # bert-base: 12 layers, 768 hidden, 3072 FFN, 30522 vocab
+
+
+def save_variants(directory: Path, quick: bool) -> dict[str, str]:
+    """Random-weight checkpoints of the dense model and its two TT conversions, by variant."""
+    from transformers import BertForMaskedLM
+
+    import comera_convert
+    from comera_convert.hf.saving import save_compressed
+
+    paths = {}
+    for variant in TRAIN_VARIANTS:
+        torch.manual_seed(0)
+        model = BertForMaskedLM(bert_config(quick))
+        path = directory / variant.replace(" ", "_").replace("-", "")
+        if variant.startswith("TT"):
+            comera_convert.convert(model, rank=30) if "r30" in variant else comera_convert.convert(model, ratio=4)
+            save_compressed(model, path, overwrite=True, replace_dir=True)
+        else:
+            model.save_pretrained(path)
+        paths[variant] = str(path)
+    return paths
+
+
+def load_variant(variant: str, path: str, device: str, dtype):
+    """(model, optimizer) for one training-step variant."""
+    import comera_convert
+
+    if variant.startswith("TT"):
+        model = comera_convert.from_pretrained(path)
+    else:
+        from transformers import BertForMaskedLM
+
+        model = BertForMaskedLM.from_pretrained(path)
+    model.to(device=device, dtype=dtype).train()
+    if variant.startswith("GaLore"):
+        from galore_torch import GaLoreAdamW
+
+        matrices = [p for n, p in model.named_parameters() if p.dim() == 2 and "embeddings" not in n
+                    and "decoder" not in n]
+        ids = {id(p) for p in matrices}
+        rest = [p for p in model.parameters() if id(p) not in ids]
+        # GaLore's README settings: rank 128, projection refreshed every 200 steps, scale 0.25.
+        groups = [{"params": rest}, {"params": matrices, "rank": 128, "update_proj_gap": 200, "scale": 0.25,
+                                      "proj_type": "std"}]
+        return model, GaLoreAdamW(groups, lr=1e-4)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def train_step_child(variant: str, path: str, batch: int, seq: int, device: str, dtype_name: str,
+                     repeats: int) -> dict:
+    """One variant in a fresh process: its peak memory above the post-import baseline covers the
+    weights, gradients, optimizer state and activations of training."""
+    dtype = getattr(torch, dtype_name)
+    with PeakMemory(device) as peak:
+        model, optimizer = load_variant(variant, path, device, dtype)
+        ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
+
+        def step():
+            optimizer.zero_grad(set_to_none=True)
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+
+        seconds = median_seconds(step, repeats, warmup=1, device=device)
+    params = sum(p.numel() for p in model.parameters())
+    return {"variant": variant, "seconds": seconds, "peak_bytes": peak.bytes, "params": params}
+
+
+def train_step_case(device: str, dtype, quick: bool, repeats: int) -> list[dict]:
+    seq = 32 if quick else 128
+    batches = [2, 1] if quick else ([32, 1] if device == "cuda" else [8, 1])
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = save_variants(Path(tmp), quick)
+        for batch in batches:
+            results = {v: _run_child(v, paths[v], batch, seq, device, dtype, repeats) for v in TRAIN_VARIANTS}
+            rows.extend(_train_rows(results, batch, seq, device, dtype))
+    return rows
+
+
+def _train_rows(results: dict, batch: int, seq: int, device: str, dtype) -> list[dict]:
+    dense, galore = results["dense AdamW"], results.get("GaLore AdamW r128")
+    rows = []
+    for variant, result in results.items():
+        row = {"case": "train-step", "method": variant, "device": device, "dtype": str(dtype).replace("torch.", ""),
+               "shape": f"batch {batch} x seq {seq}", "params": result.get("params")}
+        if "error" in result or "error" in dense:
+            rows.append({**row, "error": result.get("error") or dense.get("error")})
+            continue
+        row.update(ms=round(result["seconds"] * 1e3, 1), tokens_per_s=round(batch * seq / result["seconds"]),
+                   peak_mb=round(result["peak_bytes"] / 2 ** 20, 1),
+                   speed_vs_dense=round(dense["seconds"] / result["seconds"], 2),
+                   memory_vs_dense=round(dense["peak_bytes"] / max(result["peak_bytes"], 1), 2))
+        if galore and "error" not in galore:
+            row.update(speed_vs_galore=round(galore["seconds"] / result["seconds"], 2),
+                       memory_vs_galore=round(galore["peak_bytes"] / max(result["peak_bytes"], 1), 2))
+        rows.append(row)
+    return rows
+
+
+def _run_child(variant, path, batch, seq, device, dtype, repeats) -> dict:
+    spec = json.dumps({"variant": variant, "path": path, "batch": batch, "seq": seq, "device": device,
+                       "dtype_name": str(dtype).replace("torch.", ""), "repeats": repeats})
+    done = subprocess.run([sys.executable, "-m", "comera_convert.bench.child", spec], capture_output=True,
+                          text=True, timeout=3600)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["failed"])[-1]
+        return {"error": last[:200]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def inference_case(device: str, dtype, quick: bool, repeats: int) -> list[dict]:
+    from transformers import BertModel
+
+    import comera_convert
+
+    seq = 32 if quick else 128
+    torch.manual_seed(0)
+    dense = BertModel(bert_config(quick)).to(device=device, dtype=dtype).eval()
+    models = {"dense": dense}
+    for name, kwargs in (("TT --ratio 4", {"ratio": 4}), ("TT comera r30", {"rank": 30})):
+        model = BertModel(bert_config(quick)).to(device=device, dtype=dtype).eval()
+        comera_convert.convert(model, **kwargs)
+        models[name] = model
+    rows = []
+    for batch in (1, 32):
+        ids = torch.randint(0, dense.config.vocab_size, (batch, seq), device=device)
+        times = {}
+        with torch.no_grad():
+            for name, model in models.items():
+                times[name] = median_seconds(lambda m=model: m(input_ids=ids), repeats, device=device)
+        for name, seconds in times.items():
+            rows.append({"case": "inference", "method": name, "device": device,
+                         "dtype": str(dtype).replace("torch.", ""), "shape": f"batch {batch} x seq {seq}",
+                         "ms": round(seconds * 1e3, 2), "speed_vs_dense": round(times["dense"] / seconds, 2)})
+    return rows
+
+
+def convert_case(device: str, dtype, quick: bool, repeats: int) -> list[dict]:
+    from transformers import BertForMaskedLM
+
+    import comera_convert
+    from comera_convert.hf.saving import save_compressed
+
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "dense"
+        BertForMaskedLM(bert_config(quick)).save_pretrained(source)
+
+        def load_and_save():
+            BertForMaskedLM.from_pretrained(source).save_pretrained(Path(tmp) / "copy")
+
+        def convert_job():
+            model = BertForMaskedLM.from_pretrained(source)
+            comera_convert.convert(model, ratio=4)
+            save_compressed(model, Path(tmp) / "tt4", overwrite=True, replace_dir=True)
+
+        baseline = median_seconds(load_and_save, repeats, warmup=1)
+        ours = median_seconds(convert_job, repeats, warmup=1)
+    return [{"case": "convert", "method": "load + save (transformers)", "device": "cpu", "dtype": "float32",
+             "shape": "bert-base" if not quick else "tiny bert", "seconds": round(baseline, 2)},
+            {"case": "convert", "method": "load + convert --ratio 4 + save", "device": "cpu", "dtype": "float32",
+             "shape": "bert-base" if not quick else "tiny bert", "seconds": round(ours, 2),
+             "time_vs_load_save": round(ours / baseline, 2)}]

@@ -1,0 +1,64 @@
+"""`comera bench`: speed and memory of TT against dense (and peers), as ratios from one run."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from . import main
+from .console import console
+
+CASE_NAMES = ("layer", "embedding", "train-step", "convert", "inference")
+COLUMNS = ("method", "shape", "tokens", "ranks", "params_ratio", "flop_ratio", "speedup", "speedup_per_flop_ratio",
+           "ms", "seconds", "tokens_per_s", "peak_mb", "speed_vs_dense", "memory_vs_dense", "speed_vs_galore",
+           "memory_vs_galore", "time_vs_load_save", "error")
+
+
+@main.command()
+@click.argument("cases", nargs=-1, type=click.Choice(CASE_NAMES))
+@click.option("--quick", is_flag=True, help="Tiny shapes and few repeats: a smoke test, not a measurement.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32")
+@click.option("--repeats", type=int, default=None, help="Timed runs per measurement (median) [default: 5, quick 2].")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the rows as JSON.")
+def bench(cases, quick, device, dtype, repeats, json_path):
+    """Measure CASES (default: all): layer, embedding, train-step, convert, inference."""
+    import torch
+    from rich.table import Table
+
+    from .. import bench as benchmarks
+    from ..errors import ConfigError
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is available here")
+    repeats = repeats or (2 if quick else 5)
+    rows = benchmarks.run(cases or CASE_NAMES, device, getattr(torch, dtype), quick, repeats)
+    out = console()
+    out.print(f"machine: {benchmarks.machine()}, torch {torch.__version__}, {device}, {dtype}"
+              + (" (--quick: smoke test)" if quick else ""))
+    for case in dict.fromkeys(r["case"] for r in rows):
+        case_rows = [r for r in rows if r["case"] == case]
+        columns = [c for c in COLUMNS if any(c in r for r in case_rows)]
+        table = Table(title=case, title_justify="left")
+        for column in columns:
+            table.add_column(column, justify="left" if column in ("method", "shape", "ranks", "error") else "right")
+        for row in case_rows:
+            table.add_row(*[_cell(row.get(c)) for c in columns])
+        out.print(table)
+    if json_path:
+        payload = {"machine": benchmarks.machine(), "torch": torch.__version__, "device": device,
+                   "dtype": dtype, "quick": quick, "rows": rows}
+        with open(json_path, "w") as f:
+            json.dump(payload, f, indent=1)
+        out.print(f"[green]wrote[/] {json_path}")
+
+
+def _cell(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    return str(value)

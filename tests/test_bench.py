@@ -1,0 +1,54 @@
+"""`comera bench --quick`: the benchmark runs end to end in CI-sized form. Timings are printed,
+never asserted (shared machines are noisy); the rows' structure and the measured facts that do
+not depend on speed are."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from comera_convert.cli import main
+
+
+@pytest.fixture(scope="module")
+def quick_rows(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "bench.json"
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(main, ["bench", "--quick", "--json", str(path)])
+    assert result.exit_code == 0, result.output
+    print(result.output)
+    return json.loads(path.read_text())
+
+
+def test_every_case_reports_rows_that_name_device_dtype_and_shape(quick_rows):
+    assert quick_rows["quick"] and quick_rows["machine"]
+    cases = {row["case"] for row in quick_rows["rows"]}
+    assert cases == {"layer", "embedding", "train-step", "convert", "inference"}
+    for row in quick_rows["rows"]:
+        assert row["device"] == "cpu" and row["dtype"] and row["shape"]
+
+
+def test_layer_rows_carry_the_flop_model(quick_rows):
+    layer = [r for r in quick_rows["rows"] if r["case"] == "layer" and r["method"].startswith("TTLinear")]
+    assert layer and all(r["ranks"] and r["params_ratio"] > 0 and r["flop_ratio"] > 0 for r in layer)
+    assert all(r["params_ratio"] > 1 for r in layer if "r30" in r["method"])  # rank 30 always compresses
+    assert all(r["speedup_per_flop_ratio"] == pytest.approx(r["speedup"] / r["flop_ratio"], abs=0.02) for r in layer)
+
+
+def test_train_step_compares_against_dense_and_galore(quick_rows):
+    rows = {r["method"]: r for r in quick_rows["rows"] if r["case"] == "train-step" and "batch 1" in r["shape"]}
+    assert set(rows) == {"dense AdamW", "GaLore AdamW r128", "TT comera r30", "TT --ratio 4"}
+    assert rows["dense AdamW"]["speed_vs_dense"] == 1.0
+    for row in rows.values():
+        assert "error" not in row, row
+        assert row["peak_mb"] > 0
+    assert rows["TT --ratio 4"]["params"] < rows["dense AdamW"]["params"] / 3
+
+
+def test_bench_help_and_bad_device():
+    runner = CliRunner()
+    assert runner.invoke(main, ["bench", "--help"]).exit_code == 0
+    import torch
+
+    if not torch.cuda.is_available():
+        result = runner.invoke(main, ["bench", "layer", "--device", "cuda", "--quick"])
+        assert result.exit_code == 1 and "no CUDA device" in result.output
