@@ -42,9 +42,9 @@ def _weight_files(path: str) -> list[Path]:
 
         return [Path(hf_hub_download(path, "model.safetensors"))]
     except Exception as err:
-        from .models import _not_found
+        from .models import not_found_error
 
-        raise _not_found(path, err) from None
+        raise not_found_error(path, err) from None
 
 
 def inspect_checkpoint(name: str) -> CheckpointInfo:

@@ -62,10 +62,10 @@ def read_config(path: str) -> dict:
 
         return json.loads(Path(hf_hub_download(path, "config.json")).read_text())
     except Exception as err:  # the hub's errors differ by version; all mean the same to the user
-        raise _not_found(path, err) from None
+        raise not_found_error(path, err) from None
 
 
-def _not_found(name: str, err: Exception) -> ModelLoadError:
+def not_found_error(name: str, err: Exception) -> ModelLoadError:
     offline = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
     hint = ("the Hugging Face Hub is offline here: download it where the hub is reachable, or pass a local directory"
             if offline or "offline" in str(err).lower() or "connect" in str(err).lower()

@@ -1,0 +1,40 @@
+"""The pure contraction functions against the dense matrix they stand for."""
+
+import pytest
+import torch
+
+from comera_convert.tt import TTSpec, cores_to_matrix, embedding_rows, tt_linear, ttm_linear
+from comera_convert.tt.counting import ttm_split
+
+from .conftest import rel_err
+
+
+def random_cores(spec, dtype=torch.float64):
+    return [torch.randn(shape, dtype=dtype) for shape in spec.core_shapes()]
+
+
+def test_tt_linear_is_x_times_the_matrix_plus_bias():
+    spec = TTSpec.plan(60, 40, 5, layout="tt", d=2)
+    cores, bias = random_cores(spec), torch.randn(40, dtype=torch.float64)
+    x = torch.randn(2, 3, 60, dtype=torch.float64)
+    assert rel_err(tt_linear(x, cores, spec, bias), x @ cores_to_matrix(cores, spec) + bias) < 1e-12
+
+
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_ttm_linear_at_every_split(tokens):
+    spec = TTSpec.plan(96, 80, 4, layout="ttm", d=3)
+    cores = random_cores(spec)
+    x = torch.randn(tokens, 96, dtype=torch.float64)
+    for h in (1, 2):
+        assert rel_err(ttm_linear(x, cores, spec, h), x @ cores_to_matrix(cores, spec)) < 1e-12
+    assert ttm_split(spec, tokens) in (1, 2)
+
+
+@pytest.mark.parametrize("layout", ["tt", "ttm"])
+def test_embedding_rows_are_rows_of_the_matrix(layout):
+    spec = TTSpec.plan(1000, 24, 4, layout=layout, d=3)
+    cores = random_cores(spec)
+    indices = torch.tensor([[0, 999, 17], [17, 500, 3]])
+    table = cores_to_matrix(cores, spec)
+    for h in (1, 2):
+        assert rel_err(embedding_rows(indices, cores, spec, h), table[indices]) < 1e-12
