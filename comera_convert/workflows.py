@@ -38,23 +38,13 @@ def convert_checkpoint(model_name: str, options: ConvertOptions, out, *, task=No
 
 def decompress_checkpoint(model_name: str, out, *, overwrite=False) -> Path:
     """Write an ordinary dense checkpoint of a compressed one (atomically)."""
-    import os
-    import shutil
-    import tempfile
-
     from .hf.loading import decompress, from_pretrained
+    from .hf.saving import atomic_directory
     from .models import resolve
 
     out = check_output_dir(out, overwrite)
     model = decompress(from_pretrained(model_name))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_directory(out, replace_dir=True) as tmp:
         model.save_pretrained(tmp)
         copy_tokenizer(resolve(model_name), tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -183,3 +183,18 @@ def test_plain_transformers_refuses_instead_of_loading_random_weights(tmp_path):
     assert result.returncode != 0
     assert "pip-install-comera-convert--then-import-comera_convert" in result.stderr
     assert not (tmp_path / "o.pt").exists()
+
+
+def test_an_interrupted_save_leaves_nothing_half_written(tmp_path, monkeypatch):
+    from comera_convert.hf import saving
+
+    model = build("bert")
+    comera_convert.convert(model, rank=4)
+
+    def interrupted(directory):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(saving, "_patch_config", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        model.save_pretrained(tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []

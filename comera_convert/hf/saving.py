@@ -15,6 +15,7 @@ Converted models get ``save_pretrained`` routed here (``install_save_hook``), so
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -112,6 +113,20 @@ def _move_into_place(tmp: Path, out: Path, replace_dir: bool) -> None:
     tmp.rmdir()
 
 
+@contextlib.contextmanager
+def atomic_directory(out: Path, replace_dir: bool):
+    """Yield a temporary sibling of ``out`` to write into; on success it is moved into place
+    (``_move_into_place``), on failure removed: an interrupted write leaves nothing half-written."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        _move_into_place(tmp, out, replace_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def save_compressed(model, out: str | os.PathLike, *, report=None, tokenizer_source=None,
                     overwrite: bool = True, replace_dir: bool = False, **save_kwargs) -> Path:
     """Write ``model`` (converted) as a compressed checkpoint directory; returns its path.
@@ -122,19 +137,13 @@ def save_compressed(model, out: str | os.PathLike, *, report=None, tokenizer_sou
     from .model_card import write_model_card
 
     out = check_output_dir(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_directory(out, replace_dir) as tmp:
         type(model).save_pretrained(model, tmp, **save_kwargs)
         _patch_config(tmp)
         copy_tokenizer(tokenizer_source, tmp)
         report = report if report is not None else describe(model)
         (tmp / REPORT_FILE).write_text(report.to_json() + "\n")
         write_model_card(tmp, report)
-        _move_into_place(tmp, out, replace_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
