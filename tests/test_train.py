@@ -223,3 +223,19 @@ def test_two_process_ddp_over_gloo(tmp_path, tokenizer, corpus):
     assert count_params(trained) > 0
     state = trained.config.quantization_config.to_dict()
     assert state["modules"]
+
+
+def test_mlm_on_a_base_model_gets_a_head_tied_to_its_tt_embedding(tmp_path, tokenizer, corpus):
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                                 vocab_size=tokenizer.vocab_size, max_position_embeddings=64))
+    comera_convert.convert(model, ratio=2.5)
+    model.save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    mlm = comera_convert.from_pretrained(tmp_path / "base", task="mlm")
+    assert isinstance(mlm.cls.predictions.decoder, comera_convert.TiedTTHead)
+    assert mlm.cls.predictions.decoder.embedding is mlm.bert.embeddings.word_embeddings
+    result = train(str(tmp_path / "base"), TrainOptions(objective="mlm", data=str(corpus), **FAST), tmp_path / "out")
+    assert result.held_out_after < result.held_out_before
