@@ -212,7 +212,12 @@ def test_bad_input_is_a_clear_error(tmp_path, tokenizer, corpus, problem):
 
 def test_two_process_ddp_over_gloo(tmp_path, tokenizer, corpus):
     path = compressed(tmp_path, tokenizer)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+    import socket
+
+    with socket.socket() as probe:  # a free port on this machine for the rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
                "-m", "comera_convert", "train", str(path), "--objective", "mlm", "--data", str(corpus),
                "--steps", "6", "--seq-len", "32", "--batch-size", "2", "--lr-gates", "0.2",
                "--early-steps", "3", "--save-steps", "6", "--out", str(tmp_path / "ddp")]
