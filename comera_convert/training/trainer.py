@@ -17,7 +17,6 @@ import copy
 import json
 import logging
 import math
-import os
 import shutil
 from pathlib import Path
 
@@ -130,7 +129,7 @@ class ComeraTrainer(Trainer):
                               f"checkpoint; the earlier complete ones are kept for --resume") from None
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
-        from ..hf.saving import save_compressed
+        from ..hf.saving import save_compressed, write_text_atomic
 
         if not self.args.should_save:
             return  # only the main process writes the model
@@ -141,9 +140,7 @@ class ComeraTrainer(Trainer):
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         state = {"kept": kept, "controller": self.controller.state.to_dict(), "history": self.history}
-        tmp = Path(output_dir) / f".{STATE_FILE}.tmp"
-        tmp.write_text(json.dumps(state))
-        os.replace(tmp, Path(output_dir) / STATE_FILE)
+        write_text_atomic(Path(output_dir) / STATE_FILE, json.dumps(state))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         model = model or self.model

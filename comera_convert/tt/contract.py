@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from .counting import ttm_split
 from .spec import TTSpec
 
 
