@@ -31,7 +31,10 @@ def test_layer_rows_carry_the_flop_model(quick_rows):
     layer = [r for r in quick_rows["rows"] if r["case"] == "layer" and r["method"].startswith("TTLinear")]
     assert layer and all(r["ranks"] and r["params_ratio"] > 0 and r["flop_ratio"] > 0 for r in layer)
     assert all(r["params_ratio"] > 1 for r in layer if "r30" in r["method"])  # rank 30 always compresses
-    assert all(r["speedup_per_flop_ratio"] == pytest.approx(r["speedup"] / r["flop_ratio"], abs=0.02) for r in layer)
+    for r in layer:  # each figure is rounded to 2 decimals: allow exactly that rounding's effect
+        a, b = r["speedup"], r["flop_ratio"]
+        bound = 0.005 + 0.005 / b + a * 0.005 / b ** 2 + 1e-9
+        assert abs(r["speedup_per_flop_ratio"] - a / b) <= bound, r
 
 
 def test_train_step_compares_against_dense_and_galore(quick_rows):
