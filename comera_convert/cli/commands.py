@@ -110,3 +110,32 @@ def decompress(model, out, overwrite):
     start = time.perf_counter()
     path = decompress_checkpoint(model, out, overwrite=overwrite)
     console().print(f"[green]wrote[/] dense checkpoint {path} in {time.perf_counter() - start:.1f} s")
+
+
+@main.command(name="eval")
+@click.argument("model")
+@click.option("--reference", default=None, help="The dense model to compare with [default: the recorded source].")
+@click.option("--data", default="python-stdlib", show_default=True, help="Held-out text: file, directory, JSONL...")
+@click.option("--texts", type=int, default=64, show_default=True, help="How many texts to compare on.")
+@click.option("--seq-len", type=int, default=128, show_default=True, help="Tokens per text (truncated).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write JSON here.")
+def evaluate(model, reference, data, texts, seq_len, json_path):
+    """How close compressed MODEL is to its dense source on held-out text."""
+    from rich.table import Table
+
+    from ..evaluation import evaluate as run_eval
+    from ..evaluation import record_in_report
+    from ..models import resolve
+
+    metrics = run_eval(model, reference, data=data, texts=texts, seq_len=seq_len)
+    record_in_report(resolve(model), metrics)
+    table = Table(title=f"{model} vs {metrics['reference']} ({metrics['texts']} held-out texts)",
+                  title_justify="left")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in metrics.items():
+        if key not in ("reference", "texts"):
+            table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+    console().print(table)
+    if json_path:
+        Path(json_path).write_text(json.dumps(metrics, indent=2) + "\n")

@@ -1,0 +1,140 @@
+"""How close a compressed model is to its dense source, on held-out text (`comera eval`).
+
+encoders   mean and minimum cosine of mean-pooled sentence embeddings, and nearest-neighbour
+           agreement (is each text's nearest neighbour the same under both models)
+masked LMs masked-token loss and accuracy of both models (the same deterministic masks)
+causal LMs perplexity of both models
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .errors import ConfigError
+from .training.data import BUILTIN, HELD_OUT_EVERY, documents
+from .training.objectives import BlockCollator, mean_pool
+
+
+def held_out_texts(source: str, count: int) -> list[str]:
+    """Up to ``count`` evaluation texts: the built-in corpus's held-out split (the documents training
+    never sees), or any other source's documents as given; a single document is split into paragraphs."""
+    if source == BUILTIN:
+        texts = [t for i, t in enumerate(documents(source)) if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1]
+    else:
+        texts = list(documents(source))
+        if len(texts) == 1:
+            texts = [p.strip() for p in texts[0].split("\n\n") if p.strip()]
+    return texts[:count]
+
+
+def _kind(config: dict) -> str:
+    from .training.objectives import resolve_objective
+
+    objective = resolve_objective("auto", config)
+    architectures = " ".join(config.get("architectures") or [])
+    if objective == "clm":
+        return "clm"
+    return "mlm" if "MaskedLM" in architectures else "encoder"
+
+
+def _check_match(compressed, reference, reference_name: str) -> None:
+    mine, theirs = compressed.config, reference.config
+    for field in ("model_type", "hidden_size", "vocab_size"):
+        if getattr(mine, field, None) != getattr(theirs, field, None):
+            raise ConfigError(f"reference {reference_name} does not match the compressed model: {field} "
+                              f"{getattr(theirs, field, None)!r} vs {getattr(mine, field, None)!r}")
+
+
+@torch.no_grad()
+def _embeddings(model, batch) -> torch.Tensor:
+    base = getattr(model, "base_model", model)
+    hidden = base(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    return mean_pool(hidden, batch["attention_mask"])
+
+
+def _nearest_neighbours(embeddings: torch.Tensor) -> torch.Tensor:
+    normed = F.normalize(embeddings, dim=-1)
+    similarity = normed @ normed.T
+    similarity.fill_diagonal_(-math.inf)
+    return similarity.argmax(dim=-1)
+
+
+def encoder_metrics(compressed, reference, batch) -> dict:
+    ours, theirs = _embeddings(compressed, batch), _embeddings(reference, batch)
+    cosine = F.cosine_similarity(ours, theirs, dim=-1)
+    agreement = (_nearest_neighbours(ours) == _nearest_neighbours(theirs)).float().mean()
+    return {"mean_cosine": float(cosine.mean()), "min_cosine": float(cosine.min()),
+            "nn_agreement": float(agreement)}
+
+
+@torch.no_grad()
+def _lm_scores(model, batch, kind: str) -> tuple[float, float]:
+    """(mean loss, accuracy over labelled tokens); causal models predict the next token."""
+    out = model(**batch)
+    labels = batch["labels"]
+    logits = out.logits
+    if kind == "clm":
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    mask = labels != -100
+    accuracy = (logits.argmax(-1)[mask] == labels[mask]).float().mean()
+    return float(out.loss), float(accuracy)
+
+
+def evaluate(compressed_name: str, reference_name: str | None = None, data: str = BUILTIN, texts: int = 64,
+             seq_len: int = 128) -> dict:
+    """Metrics of a compressed checkpoint against its dense reference (the recorded source by default)."""
+    from transformers import AutoTokenizer
+
+    from .hf.loading import from_pretrained
+    from .models import load_model, read_config, resolve
+
+    path = resolve(compressed_name)
+    config = read_config(path)
+    source = reference_name or (config.get("quantization_config") or {}).get("source")
+    if not source:
+        raise ConfigError("the checkpoint records no source model: pass --reference DENSE")
+    kind = _kind(config)
+    task = {"clm": "clm", "mlm": "mlm", "encoder": "base"}[kind]
+    compressed = from_pretrained(path, task=task).eval()
+    reference, _ = load_model(source, task=task)
+    reference.eval()
+    _check_match(compressed, reference, source)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    sample = held_out_texts(data, texts)
+    if len(sample) < 2:
+        raise ConfigError(f"--data {data}: needs at least 2 held-out texts to compare models (found {len(sample)})")
+    batch = tokenizer(sample, padding=True, truncation=True, max_length=seq_len, return_tensors="pt")
+    metrics = {"kind": kind, "reference": source, "texts": len(sample)}
+    if kind != "clm":
+        metrics.update(encoder_metrics(compressed, reference, batch))
+    if kind in ("mlm", "clm"):
+        collate = BlockCollator(kind, tokenizer, 0.15)
+        blocks = [{"input_ids": ids[: int(mask.sum())], "index": -1 - i}
+                  for i, (ids, mask) in enumerate(zip(batch["input_ids"], batch["attention_mask"]))]
+        length = min(len(b["input_ids"]) for b in blocks)
+        lm_batch = collate([{**b, "input_ids": b["input_ids"][:length]} for b in blocks])
+        for name, model in (("compressed", compressed), ("reference", reference)):
+            loss, accuracy = _lm_scores(model, lm_batch, kind)
+            metrics[f"{name}_loss"] = loss
+            metrics[f"{name}_accuracy"] = accuracy
+            if kind == "clm":
+                metrics[f"{name}_perplexity"] = math.exp(min(loss, 50.0))
+    return metrics
+
+
+def record_in_report(path: str, metrics: dict) -> None:
+    """Add the metrics to the checkpoint's comera_report.json (atomically)."""
+    from .conversion.report import REPORT_FILE
+    from .hf.saving import write_text_atomic
+
+    report_file = Path(path) / REPORT_FILE
+    if not report_file.is_file():
+        return
+    report = json.loads(report_file.read_text())
+    report.setdefault("extra", {})["eval"] = metrics
+    write_text_atomic(report_file, json.dumps(report, indent=2) + "\n")
