@@ -66,9 +66,10 @@ class TTEmbedding(TTModule):
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
         if indices.dtype not in (torch.int64, torch.int32):
             raise TypeError(expected("integer token indices", indices.dtype))
-        if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= self.num_embeddings):
-            raise IndexError(expected(f"indices in [0, {self.num_embeddings})",
-                                      (int(indices.min()), int(indices.max()))))
+        if indices.numel():
+            low, high = (int(v) for v in torch.aminmax(indices))  # one pass, one host sync
+            if low < 0 or high >= self.num_embeddings:
+                raise IndexError(expected(f"indices in [0, {self.num_embeddings})", (low, high)))
         spec = self.spec
         split = 0
         if spec.layout == "ttm":
