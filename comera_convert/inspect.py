@@ -10,7 +10,7 @@ from pathlib import Path
 from .conversion.report import REPORT_FILE, ConversionReport
 from .errors import ModelLoadError
 from .hf.checkpoint_check import read_header
-from .hf.config import QUANT_METHOD
+from .hf.config import compression_of
 from .models import read_config, resolve
 
 
@@ -55,7 +55,7 @@ def inspect_checkpoint(name: str) -> CheckpointInfo:
     for file in files:
         header = read_header(str(file))
         params += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
-    compressed = (config.get("quantization_config") or {}).get("quant_method") == QUANT_METHOD
+    compressed = compression_of(config) is not None
     report = None
     report_file = Path(path) / REPORT_FILE
     if compressed and report_file.is_file():

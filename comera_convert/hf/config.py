@@ -21,6 +21,12 @@ FORMAT_VERSION = 1  # bump when the record format changes; older versions must k
 WEIGHTS_GUARD = "comera-tt-checkpoint--pip-install-comera-convert--then-import-comera_convert.safetensors"
 
 
+def compression_of(config: dict) -> dict | None:
+    """The compression record of a config.json dict, or None for a model that is not compressed."""
+    quantization = config.get("quantization_config") or {}
+    return quantization if quantization.get("quant_method") == QUANT_METHOD else None
+
+
 class ComeraConfig(QuantizationConfigMixin):
     def __init__(self, modules: dict | None = None, version: int = FORMAT_VERSION, source: str | None = None,
                  dense_params: int | None = None, quant_method: str = QUANT_METHOD, **kwargs):

@@ -10,14 +10,13 @@ from torch import nn
 
 from ..errors import ModelLoadError
 from .checkpoint_check import read_header
-from .config import QUANT_METHOD
+from .config import QUANT_METHOD, compression_of
 
 
 def is_compressed_dir(path: str | os.PathLike) -> bool:
     from ..models import read_config
 
-    config = read_config(str(path))
-    return (config.get("quantization_config") or {}).get("quant_method") == QUANT_METHOD
+    return compression_of(read_config(str(path))) is not None
 
 
 def from_pretrained(path: str | os.PathLike, task: str | None = None, **kwargs):

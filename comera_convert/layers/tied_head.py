@@ -2,7 +2,8 @@
 
 Language-model heads (BERT's decoder, GPT-2's lm_head) share their weight with the input
 embedding. When the embedding becomes a TTEmbedding the head keeps sharing it: it holds no cores
-of its own and contracts the input with the embedding's cores, transposed.
+of its own. For the tt layout it runs the input through the embedding's two halves, transposed;
+for ttm it builds the embedding's table (cached in inference) and runs one GEMM.
 """
 
 from __future__ import annotations

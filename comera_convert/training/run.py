@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ComeraError, ConfigError
-from ..hf.config import QUANT_METHOD
+from ..hf.config import compression_of
 from ..models import read_config, resolve
 from .data import pack
 from .objectives import BlockCollator, resolve_objective, task_for, task_loss
@@ -41,8 +41,8 @@ class TrainResult:
 
 
 def _compression(config: dict, name: str) -> dict:
-    quantization = config.get("quantization_config") or {}
-    if quantization.get("quant_method") != QUANT_METHOD:
+    quantization = compression_of(config)
+    if quantization is None:
         raise ConfigError(f"{name} is not a compressed model: convert it first with "
                           f"`comera convert {name} --ratio 4`, then train the result")
     return quantization
