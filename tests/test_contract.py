@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from comera_convert.tt import TTSpec, cores_to_matrix, embedding_rows, tt_linear, ttm_linear
+from comera_convert.tt.contract import embedding_halves, rows_from_halves, through_bond
 from comera_convert.tt.counting import ttm_split
 
 from .conftest import rel_err
@@ -38,3 +39,22 @@ def test_embedding_rows_are_rows_of_the_matrix(layout):
     table = cores_to_matrix(cores, spec)
     for h in (1, 2):
         assert rel_err(embedding_rows(indices, cores, spec, h), table[indices]) < 1e-12
+
+
+@pytest.mark.parametrize("layout", ["tt", "ttm"])
+def test_rows_without_deduplication_are_the_same_rows(layout):
+    """The sync-free path (CUDA, torch.compile) gathers every id, repeats included."""
+    spec = TTSpec.plan(1000, 24, 4, layout=layout, d=3)
+    cores = random_cores(spec)
+    indices = torch.tensor([[5, 999, 5], [0, 5, 999]])
+    halves = embedding_halves(cores, spec, 1)
+    table = cores_to_matrix(cores, spec)
+    assert rel_err(rows_from_halves(indices, halves, spec, deduplicate=False), table[indices]) < 1e-12
+
+
+def test_through_bond_without_autograd_matches_the_autograd_function():
+    left, right, bias = torch.randn(60, 5), torch.randn(5, 40), torch.randn(40)
+    x = torch.randn(2, 3, 60)
+    with_graph = through_bond(x, left.requires_grad_(), right, bias)
+    with torch.no_grad():
+        torch.testing.assert_close(through_bond(x, left, right, bias), with_graph.detach())

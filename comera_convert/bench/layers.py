@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -75,8 +77,9 @@ def _peer_row(dense, rank, x, grad, dense_time, name, device, dtype, tokens, rep
     except ImportError:
         return []
     params = dense.in_features * dense.out_features
-    peer = tltorch.FactorizedLinear.from_linear(dense, n_tensorized_modes=3, factorization="blocktt",
-                                                rank=min(1.0, tt_params / params))
+    # Its SVD initialization runs in float32 (torch has no bf16 SVD); then it is cast like ours.
+    peer = tltorch.FactorizedLinear.from_linear(copy.deepcopy(dense).float(), n_tensorized_modes=3,
+                                                factorization="blocktt", rank=min(1.0, tt_params / params))
     peer = peer.to(device=device, dtype=dtype)
     peer_time = median_seconds(_fwd_bwd(peer, x, grad), repeats, device=device)
     peer_params = sum(p.numel() for p in peer.parameters() if p is not getattr(peer, "bias", None))

@@ -18,6 +18,9 @@ import torch
 from .timing import PeakMemory, median_seconds
 
 TRAIN_VARIANTS = ("dense AdamW", "GaLore AdamW r128", "TT comera r30", "TT --ratio 4")
+# On CUDA the whole step (forward, backward, AdamW) is also captured once and replayed as one CUDA graph.
+GRAPH_SUFFIX = " + CUDA graph"
+GRAPHED_VARIANTS = ("dense AdamW", "TT comera r30")
 
 
 def bert_config(quick: bool):
@@ -50,8 +53,9 @@ def save_variants(directory: Path, quick: bool) -> dict[str, str]:
     return paths
 
 
-def load_variant(variant: str, path: str, device: str, dtype):
-    """(model, optimizer) for one training-step variant."""
+def load_variant(variant: str, path: str, device: str, dtype, capturable: bool = False):
+    """(model, optimizer) for one training-step variant (``capturable``: AdamW state on the device,
+    as CUDA-graph capture needs)."""
     import comera_convert
 
     if variant.startswith("TT"):
@@ -72,7 +76,22 @@ def load_variant(variant: str, path: str, device: str, dtype):
         groups = [{"params": rest}, {"params": matrices, "rank": 128, "update_proj_gap": 200, "scale": 0.25,
                                       "proj_type": "std"}]
         return model, GaLoreAdamW(groups, lr=1e-4)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, capturable=capturable)
+
+
+def graphed(step, warmup: int = 3):
+    """``step`` captured once as a CUDA graph; the returned callable replays it (same tensors, no
+    Python or kernel-launch overhead). Warm-up runs on a side stream first, as capture requires."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
 
 
 def train_step_child(variant: str, path: str, batch: int, seq: int, device: str, dtype_name: str,
@@ -80,8 +99,10 @@ def train_step_child(variant: str, path: str, batch: int, seq: int, device: str,
     """One variant in a fresh process: its peak memory above the post-import baseline covers the
     weights, gradients, optimizer state and activations of training."""
     dtype = getattr(torch, dtype_name)
+    with_graph = variant.endswith(GRAPH_SUFFIX)
+    variant = variant.removesuffix(GRAPH_SUFFIX)
     with PeakMemory(device) as peak:
-        model, optimizer = load_variant(variant, path, device, dtype)
+        model, optimizer = load_variant(variant, path, device, dtype, capturable=with_graph)
         ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
 
         def step():
@@ -89,7 +110,7 @@ def train_step_child(variant: str, path: str, batch: int, seq: int, device: str,
             model(input_ids=ids, labels=ids).loss.backward()
             optimizer.step()
 
-        seconds = median_seconds(step, repeats, warmup=1, device=device)
+        seconds = median_seconds(graphed(step) if with_graph else step, repeats, warmup=1, device=device)
     params = sum(p.numel() for p in model.parameters())
     return {"variant": variant, "seconds": seconds, "peak_bytes": peak.bytes, "params": params}
 
@@ -102,6 +123,9 @@ def train_step_case(device: str, dtype, quick: bool, repeats: int) -> list[dict]
         paths = save_variants(Path(tmp), quick)
         for batch in batches:
             results = {v: _run_child(v, paths[v], batch, seq, device, dtype, repeats) for v in TRAIN_VARIANTS}
+            if device == "cuda":
+                results.update({v + GRAPH_SUFFIX: _run_child(v + GRAPH_SUFFIX, paths[v], batch, seq, device, dtype,
+                                                             repeats) for v in GRAPHED_VARIANTS})
             rows.extend(_train_rows(results, batch, seq, device, dtype))
     return rows
 
@@ -157,10 +181,16 @@ def inference_case(device: str, dtype, quick: bool, repeats: int) -> list[dict]:
         with torch.no_grad():
             for name, model in models.items():
                 times[name] = median_seconds(lambda m=model: m(input_ids=ids), repeats, device=device)
+            if device == "cuda":  # launch-bound at batch 1: the forward replayed as one CUDA graph
+                for name, model in list(models.items()):
+                    replay = graphed(lambda m=model: m(input_ids=ids))
+                    times[name + GRAPH_SUFFIX] = median_seconds(replay, repeats, device=device)
         for name, seconds in times.items():
+            # Each against dense run the same way (eager with eager, graph with graph).
+            dense_name = "dense" + GRAPH_SUFFIX if name.endswith(GRAPH_SUFFIX) else "dense"
             rows.append({"case": "inference", "method": name, "device": device,
                          "dtype": str(dtype).replace("torch.", ""), "shape": f"batch {batch} x seq {seq}",
-                         "ms": round(seconds * 1e3, 2), "speed_vs_dense": round(times["dense"] / seconds, 2)})
+                         "ms": round(seconds * 1e3, 2), "speed_vs_dense": round(times[dense_name] / seconds, 2)})
     return rows
 
 

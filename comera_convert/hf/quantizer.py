@@ -23,11 +23,23 @@ class ComeraQuantizer(HfQuantizer):
         super().__init__(quantization_config, **kwargs)
         self._dtype = None
 
-    def update_attn_implementation(self, config):
-        # Seen before the weight files are resolved: point transformers past the guard file name.
+    @staticmethod
+    def _past_the_guard(config):
+        """Point transformers past the guard file name, to model.safetensors."""
         if getattr(config, "transformers_weights", None) == WEIGHTS_GUARD:
             config.transformers_weights = None
         return config
+
+    # The config hooks transformers calls before it resolves the weight files: update_attn_implementation
+    # from 5.2x, update_tp_plan / update_ep_plan before that. Each one clears the guard; whichever runs.
+    def update_attn_implementation(self, config):
+        return self._past_the_guard(config)
+
+    def update_tp_plan(self, config):
+        return self._past_the_guard(config)
+
+    def update_ep_plan(self, config):
+        return self._past_the_guard(config)
 
     def preprocess_model(self, model, dtype=None, **kwargs):
         self._dtype = dtype

@@ -125,10 +125,9 @@ class TTModule(nn.Module):
         if self.gates is None:
             return
         for k, gate in enumerate(self.gates):
-            closed = gate == 0
-            if closed.any():
-                self.cores[k][..., closed] = 0
-                self.cores[k + 1][closed] = 0
+            is_open = (gate != 0).to(gate.dtype)  # a multiply, not a masked write: no host sync on CUDA
+            self.cores[k].mul_(is_open)
+            self.cores[k + 1].mul_(is_open.reshape(-1, *[1] * (self.cores[k + 1].dim() - 1)))
 
     def kept_indices(self, threshold: float = 0.0) -> list[torch.Tensor]:
         """Per bond, the indices whose gate magnitude is above ``threshold`` (at least one)."""

@@ -66,20 +66,33 @@ class TTEmbedding(TTModule):
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
         if indices.dtype not in (torch.int64, torch.int32):
             raise TypeError(expected("integer token indices", indices.dtype))
+        # On CUDA (and under torch.compile) no host syncs: a device-side range check, and no
+        # deduplication of repeated ids (its output size depends on the data).
+        sync_free = indices.is_cuda or torch.compiler.is_compiling()
         if indices.numel():
-            low, high = (int(v) for v in torch.aminmax(indices))  # one pass, one host sync
-            if low < 0 or high >= self.num_embeddings:
-                raise IndexError(expected(f"indices in [0, {self.num_embeddings})", (low, high)))
+            self._check_range(indices, sync_free)
         spec = self.spec
         split = 0
         if spec.layout == "ttm":
             split = ttm_split(spec, indices.numel(), cost=embedding_lookup_flops)
         halves = self.cached(f"halves-{split}", lambda: embedding_halves(self.gated_cores(), spec, split))
-        rows = rows_from_halves(indices.long(), halves, spec)
+        rows = rows_from_halves(indices.long(), halves, spec, deduplicate=not sync_free)
         if self.padding_idx is not None and self.training:
             is_pad = (indices == self.padding_idx).unsqueeze(-1)
             rows = torch.where(is_pad, rows.detach(), rows)
         return rows
+
+    def _check_range(self, indices: torch.Tensor, sync_free: bool) -> None:
+        """Out-of-range ids would map to valid-looking rows of the padded mode grid, so they are refused.
+        On CPU a host check gives a clear error; on the device a device-side assert does, as
+        ``nn.Embedding`` does on CUDA, without a host sync per step."""
+        if sync_free:
+            in_range = (indices >= 0).all() & (indices < self.num_embeddings).all()
+            torch._assert_async(in_range, f"token ids outside [0, {self.num_embeddings})")
+            return
+        low, high = (int(v) for v in torch.aminmax(indices))  # one pass, one host sync
+        if low < 0 or high >= self.num_embeddings:
+            raise IndexError(expected(f"indices in [0, {self.num_embeddings})", (low, high)))
 
     def extra_repr(self) -> str:
         pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""

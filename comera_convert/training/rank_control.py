@@ -104,15 +104,18 @@ class RankController:
         """
         closed = 0
         for (_, module), masks in zip(self.modules, self.open):
-            for gate, mask in zip(module.gates, masks):
+            for i, gate in enumerate(module.gates):
+                mask = masks[i] = masks[i].to(gate.device)  # the model may have moved (Trainer, .cuda())
                 newly = mask & (gate.abs() < self.options.tau)
-                if not bool((mask & ~newly).any()):  # never close a bond's last open entry
-                    newly[(gate.abs() * mask).argmax()] = False
+                # Never close a bond's last open entry: spare the strongest when nothing else stays
+                # open (computed on the device: no host sync per gate).
+                strongest = torch.zeros_like(mask).scatter_(0, (gate.abs() * mask).argmax().reshape(1), True)
+                newly &= ~(strongest & ~(mask & ~newly).any())
                 mask &= ~newly
-                closed += int(newly.sum())
+                closed = closed + newly.sum()
                 gate.mul_(mask)
             module.zero_pruned_()
-        return closed
+        return int(closed)  # the one host sync of the step
 
     # -- the staged objective -----------------------------------------------------------------------
     def observe_loss(self, loss: float) -> None:

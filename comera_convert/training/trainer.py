@@ -88,7 +88,10 @@ class ComeraTrainer(Trainer):
     def create_optimizer(self, model=None):
         if self.optimizer is None:
             groups = parameter_groups(model or self.model, self.comera_options)
-            self.optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.999), eps=1e-8)
+            # On CUDA one fused kernel steps every parameter: a TT model has hundreds of small cores
+            # and gates, and a per-tensor (or even foreach) step is bound by kernel launches.
+            on_cuda = all(p.is_cuda for group in groups for p in group["params"])
+            self.optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.999), eps=1e-8, fused=on_cuda or None)
         return self.optimizer
 
     # -- loss -------------------------------------------------------------------------------------------

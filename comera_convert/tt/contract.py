@@ -81,7 +81,12 @@ def through_bond(x: torch.Tensor, left: torch.Tensor, right: torch.Tensor,
     flat = x.reshape(-1, x.shape[-1])
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    return ThroughBond.apply(flat, left, right, bias).reshape(*x.shape[:-1], right.shape[-1])
+    if torch.is_grad_enabled():
+        y = ThroughBond.apply(flat, left, right, bias)
+    else:  # inference: the same two GEMMs without the autograd.Function's per-call overhead
+        h = flat @ left
+        y = h @ right if bias is None else torch.addmm(bias, h, right)
+    return y.reshape(*x.shape[:-1], right.shape[-1])
 
 
 def tt_linear(x: torch.Tensor, cores: list[torch.Tensor], spec: TTSpec,
@@ -148,14 +153,18 @@ def embedding_halves(cores: list[torch.Tensor], spec: TTSpec, h: int) -> tuple[t
     return ttm_halves(cores, h)
 
 
-def rows_from_halves(indices: torch.Tensor, halves, spec: TTSpec) -> torch.Tensor:
+def rows_from_halves(indices: torch.Tensor, halves, spec: TTSpec, deduplicate: bool = True) -> torch.Tensor:
     """Rows M[indices] (shape indices.shape + (C,)) from the half-products, without the full table.
 
-    Each requested row is a product of a gathered slice of one half and one of the other;
-    repeated indices share that work.
+    Each requested row is a product of a gathered slice of one half and one of the other. With
+    ``deduplicate`` repeated indices share that work; without it the shapes do not depend on the
+    data (no host sync), as CUDA graphs and torch.compile need.
     """
     flat = indices.reshape(-1)
-    unique, inverse = torch.unique(flat, return_inverse=True)
+    if deduplicate:
+        unique, inverse = torch.unique(flat, return_inverse=True)
+    else:
+        unique, inverse = flat, None
     left, right = halves
     if spec.layout == "tt":
         rows = left.index_select(0, unique) @ right
@@ -164,7 +173,9 @@ def rows_from_halves(indices: torch.Tensor, halves, spec: TTSpec) -> torch.Tenso
         gathered_left = left.index_select(0, unique // rows_r)                  # (U, C_1, r)
         gathered_right = right.index_select(1, unique % rows_r).transpose(0, 1)  # (U, r, C_2)
         rows = (gathered_left @ gathered_right).reshape(unique.shape[0], -1)[:, : spec.cols]
-    return rows.index_select(0, inverse).reshape(*indices.shape, spec.cols)
+    if inverse is not None:
+        rows = rows.index_select(0, inverse)
+    return rows.reshape(*indices.shape, spec.cols)
 
 
 def embedding_rows(indices: torch.Tensor, cores: list[torch.Tensor], spec: TTSpec, h: int) -> torch.Tensor:
