@@ -102,3 +102,18 @@ def load_model(name: str, task: str | None = None, **kwargs):
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ModelLoadError(f"cannot load {name}: {first_line}") from None
     return model, path
+
+
+def load_tokenizer(path: str, needed_for: str):
+    """The tokenizer saved with a model. transformers builds an empty one (special tokens only)
+    for a folder without tokenizer files; that would turn every text into [UNK], so it is refused."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        tokenizer = None
+    if tokenizer is None or len(tokenizer) <= len(set(tokenizer.all_special_ids)):
+        raise ModelLoadError(f"{needed_for} needs the model's tokenizer, and {path} has no tokenizer files: "
+                             f"copy them into it (comera convert does)")
+    return tokenizer

@@ -26,14 +26,27 @@ def convert_checkpoint(model_name: str, options: ConvertOptions, out, *, task=No
     start = time.perf_counter()
     model, path = load_model(model_name, task=task)
     loaded = time.perf_counter()
-    report = convert_with(model, options, source=model_name, progress=progress)
+    calibration = _calibration(model, path, options) if options.calibration else None
+    calibrated = time.perf_counter()
+    report = convert_with(model, options, source=model_name, progress=progress, calibration=calibration)
     converted = time.perf_counter()
     save_compressed(model, out, report=report, tokenizer_source=path, overwrite=overwrite, replace_dir=True)
     saved = time.perf_counter()
-    timings = {"load": loaded - start, "convert": converted - loaded, "save": saved - converted}
+    timings = {"load": loaded - start, "convert": converted - calibrated, "save": saved - converted}
+    if calibration is not None:
+        timings["calibrate"] = calibrated - loaded
     report.extra["timings"] = timings
     disk = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     return ConversionResult(out=out, report=report, timings=timings, disk_bytes=disk)
+
+
+def _calibration(model, path, options: ConvertOptions):
+    from .conversion.calibration import calibrate
+    from .models import load_tokenizer
+
+    tokenizer = load_tokenizer(path, "--calibration")
+    return calibrate(model, tokenizer, options.calibration, options.calibration_sequences,
+                     options.calibration_seq_len, options.targets, options.exclude, options.d)
 
 
 def decompress_checkpoint(model_name: str, out, *, overwrite=False) -> Path:

@@ -106,6 +106,11 @@ def test_bad_input_is_one_line_and_non_zero(dense_dir, tmp_path):
         (["convert", dense_dir, "--targets", "nothing", "--out", tmp_path / "o6"], ["matches no Linear"]),
         (["convert", dense_dir, "--out", a_file], ["is a file"]),
         (["report", tmp_path / "no-such-model"], ["no-such-model"]),
+        (["convert", dense_dir, "--calibration", "python-stdlib", "--out", tmp_path / "o7"], ["needs the model's tokenizer", "no tokenizer files"]),
+        (["convert", dense_dir, "--allocation", "sensitivity", "--out", tmp_path / "o8"],
+         ["needs calibration data"]),
+        (["convert", dense_dir, "--calibration", "python-stdlib", "--calibration-sequences", "0",
+          "--out", tmp_path / "o9"], ["calibration_sequences as a positive integer"]),
     ]
     for args, fragments in cases:
         _one_line_error(run(*args), *fragments)
@@ -141,8 +146,33 @@ def test_train_bad_input_is_one_line(dense_dir, tmp_path):
                     "is not a compressed model", "comera convert")
     out = tmp_path / "tt"
     run("convert", dense_dir, "--ratio", "3", "--out", out)
+    _one_line_error(run("train", out, "--out", tmp_path / "t0"), "needs the model's tokenizer", "no tokenizer files")
+    from transformers import BertTokenizerFast
+
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(507)]
+    BertTokenizerFast(vocab={w: i for i, w in enumerate(words)}).save_pretrained(out)
     _one_line_error(run("train", out, "--data", tmp_path / "missing.txt", "--out", tmp_path / "t2"),
                     "no such file or directory")
     _one_line_error(run("train", out, "--steps", "0", "--out", tmp_path / "t3"), "steps as a positive integer")
     _one_line_error(run("train", out, "--target-ratio", "1.2", "--data", "python-stdlib", "--steps", "2",
                         "--out", tmp_path / "t4"), "lower than the model's current ratio")
+
+
+def test_convert_with_calibration_records_it(dense_dir, tmp_path):
+    from transformers import BertTokenizerFast
+
+    words = [f"w{i}" for i in range(507)]
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + words
+    BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)}).save_pretrained(dense_dir)
+    texts = tmp_path / "calibration.txt"
+    texts.write_text(" ".join(words[i * 7 % 60] for i in range(3000)))  # 60 frequent words
+    out = tmp_path / "tt"
+    result = run("convert", dense_dir, "--ratio", "2", "--calibration", texts, "--calibration-sequences", "16",
+                 "--out", out)
+    assert result.exit_code == 0, result.output
+    assert "calibrate" in result.output and "rank allocation" in result.output
+    report = json.loads((out / "comera_report.json").read_text())
+    assert report["extra"]["calibration"].startswith("16 sequences (1024 tokens)")  # 64 = the model's max positions
+    assert report["extra"]["allocation"].startswith("uniform")
+    assert {m["layout"] for m in report["modules"] if m["kind"] == "embedding"} == {"tt"}
+    assert comera_convert.from_pretrained(out).config.quantization_config.modules

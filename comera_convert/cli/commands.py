@@ -26,33 +26,41 @@ def _default_out(model: str, ratio, rank) -> str:
 @click.option("--ratio", type=float, default=None, help="Shrink the whole model this many times [default: 4].")
 @click.option("--rank", type=int, default=None, help="A fixed max rank for every layer instead of --ratio.")
 @click.option("--layout", default=None, help="Layout of linear layers: tt (CoMERA) or ttm [default: tt].")
-@click.option("--embedding-layout", default=None, help="Layout of embeddings [default: ttm].")
+@click.option("--embedding-layout", default=None,
+              help="Layout of embeddings [default: ttm; tt with --calibration].")
 @click.option("--modes", "d", type=int, default=None, help="Tensor modes per side, 2 to 4 [default: 3].")
 @click.option("--targets", default=None, help="Comma-separated module-name patterns to convert.")
 @click.option("--exclude", default=None, help="Comma-separated module-name patterns to keep dense.")
 @click.option("--no-gates", is_flag=True, default=False, help="Leave out the rank gates (no rank adaptation).")
+@click.option("--calibration", default=None, metavar="DATA",
+              help="Data-aware init: minimize each layer's error on this text's activations "
+                   "(python-stdlib, a file, folder, JSONL or dataset).")
+@click.option("--calibration-sequences", type=int, default=None, help="Calibration sequences [default: 128].")
+@click.option("--allocation", type=click.Choice(["uniform", "sensitivity"]), default=None,
+              help="One shared rank, or per-layer ranks from calibration error estimates [default: uniform].")
 @click.option("--recipe", type=click.Path(dir_okay=False), default=None,
               help="A YAML conversion recipe; options given here override it.")
 @click.option("--task", type=click.Choice(["base", "mlm", "clm", "seq-cls"]), default=None,
               help="Load the model with this head [default: its recorded architecture].")
 @click.option("--out", type=click.Path(), default=None, help="Output directory [default: <model>-tt<ratio>].")
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty output directory.")
-def convert(model, ratio, rank, layout, embedding_layout, d, targets, exclude, no_gates, recipe, task, out,
-            overwrite):
+def convert(model, ratio, rank, layout, embedding_layout, d, targets, exclude, no_gates, calibration,
+            calibration_sequences, allocation, recipe, task, out, overwrite):
     """Convert MODEL (directory, hub id or alias such as minilm, bert-base) to a TT checkpoint."""
     from ..recipes import convert_options
     from ..workflows import convert_checkpoint
 
     overrides = {"ratio": ratio, "rank": rank, "layout": layout, "embedding_layout": embedding_layout, "d": d,
                  "targets": _patterns(targets), "exclude": _patterns(exclude),
-                 "gates": False if no_gates else None}
+                 "gates": False if no_gates else None, "calibration": calibration,
+                 "calibration_sequences": calibration_sequences, "allocation": allocation}
     options = convert_options(recipe, overrides)
     out = out or _default_out(model, options.ratio, options.rank)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console(), transient=True) as bar:
-        task_id = bar.add_task("loading", total=None)
+        task_id = bar.add_task("loading" + (" and calibrating" if options.calibration else ""), total=None)
 
         def on_module(name, index, total):
             bar.update(task_id, description=f"converting {name}", completed=index, total=total)
@@ -68,7 +76,8 @@ def _print_conversion(result) -> None:
     out.print(modules_table(result.report))
     out.print(totals_table(result.report, result.disk_bytes))
     t = result.timings
-    out.print(f"[green]wrote[/] {result.out}  (load {t['load']:.1f} s, convert {t['convert']:.1f} s, "
+    calibrate = f"calibrate {t['calibrate']:.1f} s, " if "calibrate" in t else ""
+    out.print(f"[green]wrote[/] {result.out}  (load {t['load']:.1f} s, {calibrate}convert {t['convert']:.1f} s, "
               f"save {t['save']:.1f} s)")
 
 

@@ -51,6 +51,11 @@ def totals_table(report, disk_bytes: int | None = None) -> Table:
                                                      if report.target_ratio else ""))
     if report.shared_rank is not None:
         table.add_row("shared max rank", str(report.shared_rank))
+    extra = report.extra or {}
+    if "allocation" in extra:
+        table.add_row("rank allocation", extra["allocation"].split(":")[0])
+    if "calibration" in extra:
+        table.add_row("calibration", extra["calibration"])
     if disk_bytes is not None:
         table.add_row("checkpoint on disk", human_bytes(disk_bytes))
     if report.seconds is not None:

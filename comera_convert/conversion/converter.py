@@ -20,6 +20,8 @@ from ..errors import ConfigError
 from ..hf.config import ComeraConfig
 from ..layers import TTEmbedding, TTLinear, TTModule
 from .allocate import LayoutChoice, allocate_ranks
+from .calibration import Calibration, weighted_decomposer
+from .sensitivity import allocate_by_sensitivity
 from .options import ConvertOptions
 from .records import tie_head, untie_converted_heads
 from .report import ConversionReport, describe
@@ -32,26 +34,39 @@ def count_params(model: nn.Module) -> int:
 
 
 def convert(model: nn.Module, ratio: float | None = 4.0, layout: str = "tt", targets=None, exclude=None, *,
-            rank: int | None = None, embedding_layout: str = "ttm", d: int = 3, gates: bool = True,
-            source: str | None = None, progress: Callable[[str, int, int], None] | None = None) -> ConversionReport:
+            rank: int | None = None, embedding_layout: str | None = None, d: int = 3, gates: bool = True,
+            source: str | None = None, progress: Callable[[str, int, int], None] | None = None,
+            calibration: Calibration | None = None, allocation: str = "uniform") -> ConversionReport:
     """Convert ``model`` in place; returns the report of what was compressed.
 
     ratio: the whole model (dense parameters included) shrinks at least this many times; ranks
         are allocated to meet it. Ignored when ``rank`` is given.
     rank: a fixed maximum rank for every converted layer instead of a ratio.
-    layout / embedding_layout: "tt" or "ttm" for linear layers / embeddings.
+    layout / embedding_layout: "tt" or "ttm" for linear layers / embeddings (embeddings: ttm, or tt
+        with calibration).
     targets / exclude: module-name patterns (globs, or one dot-separated name part).
     progress: called as progress(module name, index, count) before each module is converted.
+    calibration: ``calibrate(model, tokenizer, data)``: each layer's decomposition then minimizes
+        its error on those inputs (activation-aware TT-SVD; token-frequency-weighted embeddings).
+    allocation: "uniform" (one shared maximum rank) or "sensitivity" (per-layer ranks from the
+        calibration's error estimates).
     """
     options = ConvertOptions(ratio=None if rank is not None else ratio, rank=rank, layout=layout,
                              embedding_layout=embedding_layout, d=d, targets=targets, exclude=exclude,
-                             gates=gates)
-    return convert_with(model, options, source=source, progress=progress)
+                             gates=gates, allocation=allocation,
+                             calibration=(calibration.source or "given") if calibration is not None else None)
+    return convert_with(model, options, source=source, progress=progress, calibration=calibration)
 
 
 def convert_with(model: nn.Module, options: ConvertOptions, source: str | None = None,
-                 progress: Callable[[str, int, int], None] | None = None) -> ConversionReport:
-    """``convert`` driven by a validated ConvertOptions (what recipes load into)."""
+                 progress: Callable[[str, int, int], None] | None = None,
+                 calibration: Calibration | None = None) -> ConversionReport:
+    """``convert`` driven by a validated ConvertOptions (what recipes load into). With
+    ``calibration`` (``calibrate()``), each layer's decomposition minimizes its error on the
+    calibration inputs instead of its weight error."""
+    if options.calibration is not None and calibration is None:
+        raise ConfigError(f"calibration {options.calibration!r} was asked for but no statistics were given: "
+                          f"pass calibration=calibrate(model, tokenizer, {options.calibration!r})")
     if any(isinstance(m, TTModule) for m in model.modules()):
         raise ConfigError("the model is already compressed: convert the dense model, "
                           "or retrain this one with `comera train`")
@@ -61,19 +76,32 @@ def convert_with(model: nn.Module, options: ConvertOptions, source: str | None =
     if not candidates:
         raise ConfigError("no module to convert: every Linear and Embedding was excluded or is too small")
     choice = LayoutChoice(options.layout, options.embedding_layout, options.d, options.gates)
+    extra = {"allocation": "uniform: one shared maximum rank"}
+    if calibration is not None:
+        extra["calibration"] = calibration.describe()
     if options.rank is not None:
         # An explicit rank is honoured even where TT is not smaller (full-rank round trips, studies).
         specs, shared_rank = [choice.spec(c, options.rank) for c in candidates], options.rank
+    elif options.allocation == "sensitivity":
+        specs, estimated = allocate_by_sensitivity(candidates, params_before, options.ratio, choice, calibration)
+        shared_rank = None
+        extra = {"allocation": "sensitivity: per-layer ranks, greedy by estimated output error removed per "
+                               "parameter on the calibration inputs",
+                 "estimated_relative_error": {k: round(v, 4) for k, v in estimated.items()}}
     else:
         specs, shared_rank = allocate_ranks(candidates, params_before, options.ratio, choice)
 
     for index, (candidate, spec) in enumerate(zip(candidates, specs)):
         if spec is None:
-            skipped[candidate.name] = f"TT at rank {shared_rank} would not be smaller"
+            skipped[candidate.name] = (f"TT at rank {shared_rank} would not be smaller" if shared_rank else
+                                       "kept dense by the sensitivity allocation")
             continue
         if progress is not None:
             progress(candidate.name, index, len(candidates))
         kwargs = dict(rank=spec.ranks, layout=spec.layout, d=options.d, gates=options.gates)
+        decompose = calibration and weighted_decomposer(candidate, calibration, spec.layout)
+        if decompose:
+            kwargs["decompose"] = decompose
         if candidate.kind == "embedding":
             new = TTEmbedding.from_embedding(candidate.module, row_modes=spec.row_modes,
                                              col_modes=spec.col_modes, **kwargs)
@@ -91,8 +119,10 @@ def convert_with(model: nn.Module, options: ConvertOptions, source: str | None =
                                     "bias": getattr(head.module, "bias", None) is not None})
     untie_converted_heads(model)
     mark_compressed(model, ComeraConfig(source=source, dense_params=params_before))
-    return describe(model, skipped=skipped, target_ratio=options.ratio, shared_rank=shared_rank,
-                    seconds=time.perf_counter() - start, params_before=params_before)
+    report = describe(model, skipped=skipped, target_ratio=options.ratio, shared_rank=shared_rank,
+                      seconds=time.perf_counter() - start, params_before=params_before)
+    report.extra.update(extra)
+    return report
 
 
 def mark_compressed(model: nn.Module, quantization_config: ComeraConfig) -> None:

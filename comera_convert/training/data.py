@@ -111,7 +111,8 @@ def pack(source: str, tokenizer, seq_len: int, max_train_blocks: int, max_held_o
     """Tokenize documents and pack them into blocks of ``seq_len`` token ids.
 
     Documents are joined with the separator (or end-of-text) token; encoder tokenizers get
-    [CLS] ... [SEP] around each block. Stops reading once both sets are full.
+    [CLS] ... [SEP] around each block. Stops reading once both sets are full. With
+    ``max_held_out_blocks=0`` only training blocks are made (held-out documents still unread).
     """
     cls_id, sep_id = tokenizer.cls_token_id, tokenizer.sep_token_id
     joiner = sep_id if sep_id is not None else tokenizer.eos_token_id
@@ -142,7 +143,7 @@ def pack(source: str, tokenizer, seq_len: int, max_train_blocks: int, max_held_o
     if not blocks["train"]:
         raise ConfigError(f"--data {source}: too little text for one training block of {seq_len} tokens")
     train, held_out = blocks["train"], blocks["held_out"]
-    if not held_out and len(train) > 1:
+    if not held_out and max_held_out_blocks and len(train) > 1:
         # Fewer than 20 documents: hold out the last blocks instead (5 %, at least one).
         cut = len(train) - max(1, len(train) // HELD_OUT_EVERY)
         train, held_out = train[:cut], train[cut:]

@@ -17,7 +17,7 @@ import torch
 
 from ..errors import ComeraError, ConfigError
 from ..hf.config import compression_of
-from ..models import read_config, resolve
+from ..models import load_tokenizer, read_config, resolve
 from .data import pack
 from .objectives import BlockCollator, resolve_objective, task_for, task_loss
 from .options import TrainOptions
@@ -109,8 +109,6 @@ def last_checkpoint(directory: Path) -> str | None:
 
 def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, overwrite: bool = False,
           callbacks=(), training_overrides=None) -> TrainResult:
-    from transformers import AutoTokenizer
-
     from ..hf.loading import from_pretrained
     from ..hf.saving import check_output_dir
 
@@ -123,10 +121,7 @@ def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, 
     objective = resolve_objective(options.objective, config)
     dense_params = quantization.get("dense_params")
     model = from_pretrained(path, task=task_for(objective))
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError):
-        raise ConfigError(f"{model_name} has no tokenizer files: copy them into it (comera convert does)") from None
+    tokenizer = load_tokenizer(path, "comera train")
     teacher = _load_teacher(options, quantization, model) if objective == "distill" else None
     controller = RankController(model, options, dense_params or sum(p.numel() for p in model.parameters()))
     ratio_before = controller.ratio()

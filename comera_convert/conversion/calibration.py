@@ -1,0 +1,156 @@
+"""Calibration: what the dense model's layers see on real text, for data-aware conversion.
+
+Forward hooks on every module the converter may replace record, over a few hundred sequences,
+the Gram matrix X^T X of each linear layer's inputs (float64, accumulated from float32 batch
+products) and how often each embedding row is looked up. ``weighted_decomposer`` turns them into
+the decomposition each layer gets (``tt.weighted``): whitened TT-SVD for tt-layout linears,
+row-weighted TTM-SVD for the ttm layout, token-frequency weights for embeddings.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from ..tt.weighted import input_factor, scaled_ttm_cores, whitened_tt_cores
+from .targets import Candidate
+
+logger = logging.getLogger("comera_convert")
+
+DEFAULT_SEQUENCES = 128  # a few hundred sequences is what activation-aware SVD methods use
+DEFAULT_SEQ_LEN = 128
+BATCH = 16
+# Weight of a token never seen in calibration, relative to one occurrence: rare tokens keep some
+# weight (held-out text has words the calibration text lacks), frequent ones dominate.
+UNSEEN_TOKEN_PRIOR = 1.0
+
+
+@dataclass
+class Calibration:
+    """Input statistics of a model's layers, keyed by module name."""
+
+    grams: dict[str, torch.Tensor] = field(default_factory=dict)  # linear: (in, in) X^T X
+    counts: dict[str, torch.Tensor] = field(default_factory=dict)  # embedding: (rows,) lookups
+    sequences: int = 0
+    tokens: int = 0
+    source: str | None = None
+
+    def describe(self) -> str:
+        return f"{self.sequences} sequences ({self.tokens} tokens) of {self.source or 'calibration data'}"
+
+
+def required_sequences(candidates: list[Candidate], seq_len: int) -> int:
+    """Enough sequences for the widest linear's Gram matrix to have full rank (and at least 8)."""
+    widest = max((c.rows for c in candidates if c.kind == "linear"), default=0)
+    return max(8, math.ceil(widest / seq_len))
+
+
+def calibrate(model: nn.Module, tokenizer, data: str = "python-stdlib", sequences: int = DEFAULT_SEQUENCES,
+              seq_len: int = DEFAULT_SEQ_LEN, targets=None, exclude=None, d: int = 3) -> Calibration:
+    """Input statistics of every module ``convert`` would replace, from ``sequences`` blocks of
+    ``seq_len`` tokens (at most the model's maximum) of ``data`` (any source `comera train --data`
+    takes; its training split)."""
+    from .targets import find_candidates
+
+    candidates = find_candidates(model, targets, exclude, d)[0]
+    seq_len = min(seq_len, max_positions(model) or seq_len)
+    needed = required_sequences(candidates, seq_len)
+    if sequences < needed:
+        raise ConfigError(f"--calibration-sequences {sequences} is too few: at least {needed} sequences of "
+                          f"{seq_len} tokens are needed (the widest converted layer has "
+                          f"{max(c.rows for c in candidates)} inputs)")
+    batches = calibration_batches(tokenizer, data, sequences, seq_len)
+    return collect(model, candidates, batches, source=data, min_sequences=needed)
+
+
+def max_positions(model: nn.Module) -> int | None:
+    """The longest sequence the model takes (BERT-likes' max_position_embeddings, GPT-2's n_positions)."""
+    config = getattr(model, "config", None)
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
+def calibration_batches(tokenizer, source: str, sequences: int, seq_len: int) -> list[torch.Tensor]:
+    """Token-id batches (B x seq_len) from the training split of ``source`` (held-out text stays unseen)."""
+    from ..training.data import pack
+
+    blocks = pack(source, tokenizer, seq_len, max_train_blocks=sequences, max_held_out_blocks=0).train
+    return [torch.stack(blocks[i:i + BATCH]) for i in range(0, len(blocks), BATCH)]
+
+
+@torch.no_grad()
+def collect(model: nn.Module, candidates: list[Candidate], batches: list[torch.Tensor],
+            source: str | None = None, min_sequences: int = 1) -> Calibration:
+    """Run ``batches`` through the dense model and record every candidate's input statistics."""
+    sequences = sum(b.shape[0] for b in batches)
+    if sequences < min_sequences:
+        raise ConfigError(f"calibration data {source or ''} gave {sequences} sequences; at least "
+                          f"{min_sequences} are needed (the widest converted layer must see at least as many "
+                          f"tokens as it has inputs): give more text or a longer --calibration-seq-len")
+    stats = Calibration(sequences=sequences, tokens=sum(b.numel() for b in batches), source=source)
+    shared: dict[tuple, torch.Tensor] = {}  # one Gram per distinct input tensor (q, k, v share one)
+    handles = [c.module.register_forward_pre_hook(partial(_record, stats, shared, c)) for c in candidates]
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        for batch in batches:
+            shared.clear()
+            model(input_ids=batch.to(device))
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+    return stats
+
+
+def _record(stats: Calibration, shared: dict, candidate: Candidate, module, args) -> None:
+    inputs = args[0]
+    if candidate.kind == "embedding":
+        counts = torch.bincount(inputs.reshape(-1).cpu(), minlength=candidate.rows)[: candidate.rows]
+        stats.counts[candidate.name] = stats.counts.get(candidate.name, 0) + counts.to(torch.float64)
+        return
+    key = (inputs.data_ptr(), tuple(inputs.shape), inputs.stride())
+    if key not in shared:
+        flat = inputs.reshape(-1, inputs.shape[-1]).float()
+        # The input is kept with its Gram until the batch ends, so that its memory cannot be
+        # reused by a later tensor that would then look like the same input.
+        shared[key] = (inputs, (flat.T @ flat).to(torch.float64).cpu())
+    gram = shared[key][1]
+    stats.grams[candidate.name] = stats.grams[candidate.name] + gram if candidate.name in stats.grams else gram
+
+
+def weighted_decomposer(candidate: Candidate, stats: Calibration, layout: str):
+    """The ``decompose(matrix, spec)`` that minimizes this layer's error on the calibration inputs,
+    or None when there are no statistics for it."""
+    if candidate.kind == "embedding":
+        counts = stats.counts.get(candidate.name)
+        if counts is None:
+            return None
+        weights = (counts + UNSEEN_TOKEN_PRIOR).sqrt()
+        if layout == "ttm":
+            return partial(_scaled, weights)
+        return partial(_whitened, weights)
+    gram = stats.grams.get(candidate.name)
+    if gram is None:
+        return None
+    if layout == "ttm":
+        return partial(_scaled, gram.diagonal().clamp_min(0).sqrt())
+    factor, damping = input_factor(gram)
+    if damping:
+        logger.warning("%s: the calibration inputs' Gram matrix is singular; damped by %.0e of its mean "
+                       "diagonal (more, or more varied, calibration text avoids this)", candidate.name, damping)
+    return partial(_whitened, factor)
+
+
+def _whitened(factor, matrix, spec):
+    return whitened_tt_cores(matrix, spec, factor.to(matrix.device))
+
+
+def _scaled(weights, matrix, spec):
+    return scaled_ttm_cores(matrix, spec, weights.to(matrix.device))

@@ -1,0 +1,152 @@
+"""Data-aware conversion: weighted TT decompositions against plain TT-SVD on the weighted error,
+calibration statistics from hooks, sensitivity allocation, and bad calibration input."""
+
+import logging
+
+import pytest
+import torch
+
+import comera_convert
+from comera_convert.conversion import ConvertOptions, convert_with, count_params
+from comera_convert.conversion.calibration import Calibration, collect, weighted_decomposer
+from comera_convert.conversion.sensitivity import error_curve
+from comera_convert.conversion.targets import find_candidates
+from comera_convert.errors import ConfigError
+from comera_convert.tt import TTSpec, cores_to_matrix
+from comera_convert.tt.decompose import matrix_to_cores
+from comera_convert.tt.weighted import input_factor, mode_weights, scaled_ttm_cores, whitened_tt_cores
+
+from .conftest import rel_err
+from .tiny_models import VOCAB, build
+
+
+def anisotropic_inputs(rows: int, tokens: int = 400) -> torch.Tensor:
+    """Inputs whose energy falls off over three decades along random directions (as activations do)."""
+    basis, _ = torch.linalg.qr(torch.randn(rows, rows, dtype=torch.float64))
+    return torch.randn(tokens, rows, dtype=torch.float64) * torch.logspace(0, -3, rows, dtype=torch.float64) @ basis
+
+
+@pytest.mark.parametrize("rank", [6, 20])
+def test_whitened_tt_beats_plain_tt_svd_on_the_inputs(rank):
+    spec = TTSpec.plan(96, 120, rank, layout="tt", d=3)
+    matrix, x = torch.randn(96, 120, dtype=torch.float64), anisotropic_inputs(96)
+    factor, _ = input_factor(x.T @ x)
+    plain = rel_err(x @ cores_to_matrix(matrix_to_cores(matrix, spec), spec), x @ matrix)
+    whitened = rel_err(x @ cores_to_matrix(whitened_tt_cores(matrix, spec, factor), spec), x @ matrix)
+    assert whitened < 0.9 * plain, (whitened, plain)
+
+
+def test_whitened_tt_at_full_rank_is_exact_with_padding():
+    spec = TTSpec.plan(97, 50, 10_000, layout="tt", d=2)  # 97 is prime: padded input modes
+    matrix, x = torch.randn(97, 50, dtype=torch.float64), anisotropic_inputs(97)
+    factor, _ = input_factor(x.T @ x)
+    assert rel_err(cores_to_matrix(whitened_tt_cores(matrix, spec, factor), spec), matrix) < 1e-8
+    weights = torch.rand(97, dtype=torch.float64) + 0.1  # a diagonal factor (token weights) too
+    assert rel_err(cores_to_matrix(whitened_tt_cores(matrix, spec, weights), spec), matrix) < 1e-8
+
+
+def test_scaled_ttm_beats_plain_ttm_on_weighted_rows():
+    spec = TTSpec.plan(96, 120, 8, layout="ttm", d=3)
+    vectors = [torch.rand(m, dtype=torch.float64) ** 4 + 1e-3 for m in spec.row_modes]
+    weights = torch.einsum("a,b,c->abc", *vectors).reshape(-1)  # separable: the fit is exact
+    matrix = torch.randn(96, 120, dtype=torch.float64)
+    plain = cores_to_matrix(matrix_to_cores(matrix, spec), spec)
+    scaled = cores_to_matrix(scaled_ttm_cores(matrix, spec, weights), spec)
+    weighted = weights[:, None]
+    assert rel_err(weighted * scaled, weighted * matrix) < 0.9 * rel_err(weighted * plain, weighted * matrix)
+    fitted = mode_weights(weights, spec.row_modes, spec.padded_rows)
+    assert rel_err(torch.einsum("a,b,c->abc", *fitted).reshape(-1), weights) < 1e-8
+
+
+def test_singular_gram_is_damped_and_warned(caplog):
+    inputs = torch.randn(200, 8, dtype=torch.float64) @ torch.randn(8, 64, dtype=torch.float64)  # rank 8 of 64
+    gram = inputs.T @ inputs
+    factor, damping = input_factor(gram)
+    assert damping > 0
+    torch.testing.assert_close(factor.T @ factor, gram + damping * gram.diagonal().mean() * torch.eye(64),
+                               rtol=1e-8, atol=1e-6)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    candidate = find_candidates(model)[0][0]
+    with caplog.at_level(logging.WARNING, logger="comera_convert"):
+        assert weighted_decomposer(candidate, Calibration(grams={candidate.name: gram}), "tt") is not None
+    assert "singular" in caplog.text and candidate.name in caplog.text
+
+
+def skewed_batches(count=8, seq=16, common=40):
+    """Token ids drawn from a small part of the vocabulary (real text uses few tokens often)."""
+    torch.manual_seed(1)
+    return [torch.randint(0, common, (4, seq)) for _ in range(count)]
+
+
+def test_hooks_record_grams_and_token_counts():
+    model = build("bert")
+    candidates = find_candidates(model)[0]
+    batches = skewed_batches()
+    stats = collect(model, candidates, batches, source="test")
+    assert stats.sequences == 32 and stats.tokens == 32 * 16
+    words = stats.counts["embeddings.word_embeddings"]
+    assert words.shape == (VOCAB,) and words.sum() == stats.tokens and words[40:].sum() == 0
+    layer = "encoder.layer.0.attention.self."
+    assert torch.equal(stats.grams[layer + "query"], stats.grams[layer + "key"])  # one input, one Gram
+    # The Gram is X^T X of what the layer saw: check it against a hook of our own.
+    seen = []
+    handle = model.encoder.layer[0].intermediate.dense.register_forward_pre_hook(lambda m, a: seen.append(a[0]))
+    with torch.no_grad():
+        for batch in batches:
+            model(input_ids=batch)
+    handle.remove()
+    x = torch.cat([s.reshape(-1, s.shape[-1]) for s in seen]).double()
+    assert rel_err(stats.grams["encoder.layer.0.intermediate.dense"], x.T @ x) < 1e-5
+
+
+def test_calibrated_conversion_is_closer_on_text_like_the_calibration():
+    dense = build("bert")
+    stats = collect(dense, find_candidates(dense)[0], skewed_batches(), source="test")
+    held_out = torch.randint(0, 40, (4, 16))
+    with torch.no_grad():
+        reference = dense(input_ids=held_out).last_hidden_state
+    errors = {}
+    for name, calibration in (("plain", None), ("calibrated", stats)):
+        model = build("bert")
+        options = ConvertOptions(ratio=2, calibration="test" if calibration else None)
+        report = convert_with(model, options, calibration=calibration)
+        with torch.no_grad():
+            errors[name] = rel_err(model(input_ids=held_out).last_hidden_state, reference)
+        assert report.ratio >= 2
+    assert "calibration" in report.extra and report.extra["allocation"].startswith("uniform")
+    assert errors["calibrated"] < 0.8 * errors["plain"], errors
+
+
+def test_sensitivity_allocation_meets_the_ratio_and_says_how():
+    dense = build("bert")
+    stats = collect(dense, find_candidates(dense)[0], skewed_batches(), source="test")
+    model = build("bert")
+    report = comera_convert.convert(model, ratio=2, calibration=stats, allocation="sensitivity")
+    assert report.ratio >= 2 and report.shared_rank is None
+    assert report.extra["allocation"].startswith("sensitivity")
+    estimated = report.extra["estimated_relative_error"]
+    assert set(estimated) >= {m.name for m in report.modules}
+    assert all(0 <= e <= 1 for e in estimated.values())
+    assert len({tuple(m.ranks) for m in report.modules}) > 1  # ranks differ between layers
+    assert count_params(model) <= count_params(dense) / 2
+
+
+def test_error_estimate_falls_with_rank():
+    matrix = torch.randn(64, 96, dtype=torch.float64)
+    spec = TTSpec.plan(64, 96, 1 << 20, layout="tt", d=3)
+    curve = error_curve(matrix, spec)
+    errors = [curve.relative_error(TTSpec.plan(64, 96, r, layout="tt", d=3)) for r in (1, 4, 16, 64)]
+    assert errors == sorted(errors, reverse=True) and errors[-1] == 0.0 and errors[0] > 0.5
+
+
+def test_bad_calibration_input():
+    model = build("bert")
+    candidates = find_candidates(model)[0]
+    with pytest.raises(ConfigError, match=r"gave 4 sequences; at least 8 are needed"):
+        collect(model, candidates, skewed_batches(count=1), source="tiny", min_sequences=8)
+    with pytest.raises(ConfigError, match="needs calibration data"):
+        ConvertOptions(ratio=2, allocation="sensitivity")
+    with pytest.raises(ConfigError, match="no statistics were given"):
+        convert_with(model, ConvertOptions(ratio=2, calibration="python-stdlib"))
+    with pytest.raises(ConfigError, match="allocation in"):
+        ConvertOptions(ratio=2, allocation="greedy")
