@@ -150,3 +150,22 @@ def test_bad_calibration_input():
         convert_with(model, ConvertOptions(ratio=2, calibration="python-stdlib"))
     with pytest.raises(ConfigError, match="allocation in"):
         ConvertOptions(ratio=2, allocation="greedy")
+
+
+def test_bias_correction_centres_the_error_on_the_calibration_inputs():
+    torch.manual_seed(0)
+    x = torch.randn(512, 96) + 2.0  # inputs with a mean, as activations after GELU have
+    errors = {}
+    for corrected in (False, True):
+        model = torch.nn.Sequential(torch.nn.Linear(96, 120))
+        torch.manual_seed(1)
+        model[0].reset_parameters()
+        dense = model[0].weight.detach().clone(), model[0].bias.detach().clone()
+        stats = Calibration(grams={"0": (x.T @ x).double()}, sums={"0": x.sum(0).double()}, rows={"0": 512})
+        if not corrected:
+            stats.sums = {}
+        convert_with(model, ConvertOptions(rank=6, calibration="given"), calibration=stats)
+        with torch.no_grad():
+            change = model(x) - (x @ dense[0].T + dense[1])
+        errors[corrected] = float(change.mean(0).norm() / change.norm(dim=1).mean())
+    assert errors[True] < 1e-4 < errors[False], errors

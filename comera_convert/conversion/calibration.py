@@ -4,7 +4,8 @@ Forward hooks on every module the converter may replace record, over a few hundr
 the Gram matrix X^T X of each linear layer's inputs (float64, accumulated from float32 batch
 products) and how often each embedding row is looked up. ``weighted_decomposer`` turns them into
 the decomposition each layer gets (``tt.weighted``): whitened TT-SVD for tt-layout linears,
-row-weighted TTM-SVD for the ttm layout, token-frequency weights for embeddings.
+row-weighted TTM-SVD for the ttm layout, token-frequency weights for embeddings. The inputs'
+means also let ``correct_bias`` remove the mean of each linear layer's output error.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class Calibration:
     """Input statistics of a model's layers, keyed by module name."""
 
     grams: dict[str, torch.Tensor] = field(default_factory=dict)  # linear: (in, in) X^T X
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)  # linear: (in,) sum of the input rows
+    rows: dict[str, int] = field(default_factory=dict)  # linear: how many input rows were summed
     counts: dict[str, torch.Tensor] = field(default_factory=dict)  # embedding: (rows,) lookups
     sequences: int = 0
     tokens: int = 0
@@ -120,9 +123,25 @@ def _record(stats: Calibration, shared: dict, candidate: Candidate, module, args
         flat = inputs.reshape(-1, inputs.shape[-1]).float()
         # The input is kept with its Gram until the batch ends, so that its memory cannot be
         # reused by a later tensor that would then look like the same input.
-        shared[key] = (inputs, (flat.T @ flat).to(torch.float64).cpu())
-    gram = shared[key][1]
-    stats.grams[candidate.name] = stats.grams[candidate.name] + gram if candidate.name in stats.grams else gram
+        shared[key] = (inputs, (flat.T @ flat).to(torch.float64).cpu(), flat.sum(0).to(torch.float64).cpu(),
+                       flat.shape[0])
+    _, gram, total, rows = shared[key]
+    name = candidate.name
+    stats.grams[name] = stats.grams[name] + gram if name in stats.grams else gram
+    stats.sums[name] = stats.sums[name] + total if name in stats.sums else total
+    stats.rows[name] = stats.rows.get(name, 0) + rows
+
+
+@torch.no_grad()
+def correct_bias(layer, dense_weight: torch.Tensor, name: str, stats: Calibration) -> None:
+    """Shift a converted linear layer's bias by the mean change of its output on the calibration
+    inputs, mu (W - W_tt), so that the compression error has zero mean there (as bias correction
+    does for quantization). Layers without a bias are left as they are."""
+    if layer.bias is None or name not in stats.sums:
+        return
+    mean_input = (stats.sums[name] / stats.rows[name]).to(layer.bias.device)
+    change = dense_weight.double() - layer.dense_weight().double()  # (out, in), as nn.Linear stores it
+    layer.bias.add_((change @ mean_input).to(layer.bias.dtype))
 
 
 def weighted_decomposer(candidate: Candidate, stats: Calibration, layout: str):

@@ -19,12 +19,13 @@ from torch import nn
 from ..errors import ConfigError
 from ..hf.config import ComeraConfig
 from ..layers import TTEmbedding, TTLinear, TTModule
+from ..layers.tt_linear import dense_weight_of
 from .allocate import LayoutChoice, allocate_ranks
-from .calibration import Calibration, weighted_decomposer
-from .sensitivity import allocate_by_sensitivity
+from .calibration import Calibration, correct_bias, weighted_decomposer
 from .options import ConvertOptions
 from .records import tie_head, untie_converted_heads
 from .report import ConversionReport, describe
+from .sensitivity import allocate_by_sensitivity
 from .targets import find_candidates
 
 
@@ -108,6 +109,8 @@ def convert_with(model: nn.Module, options: ConvertOptions, source: str | None =
         else:
             new = TTLinear.from_linear(candidate.module, in_modes=spec.row_modes, out_modes=spec.col_modes,
                                        **kwargs)
+            if calibration is not None:
+                correct_bias(new, dense_weight_of(candidate.module)[0], candidate.name, calibration)
         model.set_submodule(candidate.name, new)
 
     converted = {c.name for c, s in zip(candidates, specs) if s is not None}
