@@ -9,9 +9,10 @@ the summed squared errors per added parameter, while the whole model still meets
 last step of a layer is keeping it dense, which removes its error at the price of all its
 parameters.
 
-Measured on all-MiniLM-L6-v2 (BENCHMARKS.md, Quality) this allocation is not better than one
-shared rank: the weighted-energy estimate is dominated by a few outlier activation directions,
-so it starves layers whose errors matter more than their estimate says. It is therefore opt-in
+Measured on all-MiniLM-L6-v2 (BENCHMARKS.md, Quality) it is mixed: better than one shared rank
+at ``--ratio 4`` (embedding cosine 0.37 against 0.34) and worse at ``--ratio 2`` (0.58 against
+0.63). The weighted-energy estimate is dominated by a few outlier activation directions, so it
+can starve layers whose errors matter more than their estimate says. It is therefore opt-in
 (``allocation="sensitivity"``); the shared rank stays the default.
 """
 
