@@ -146,3 +146,20 @@ def test_a_tt_training_step_makes_no_host_syncs():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert controller.prune() >= 0  # and pruning runs on the moved model (its one sync is the count)
+
+
+def test_calibrated_conversion_on_cuda_matches_cpu():
+    """Calibration hooks and the weighted decompositions run where the model is."""
+    from comera_convert.conversion.calibration import collect
+    from comera_convert.conversion.targets import find_candidates
+
+    batches = [torch.randint(0, 40, (4, 16)) for _ in range(4)]
+    held_out = torch.randint(0, 40, (2, 16))
+    outputs = []
+    for device in ("cpu", "cuda"):
+        model = build("bert").to(device)
+        stats = collect(model, find_candidates(model)[0], batches, source="test")
+        comera_convert.convert(model, ratio=2, calibration=stats)
+        with torch.no_grad():
+            outputs.append(model(input_ids=held_out.to(device)).last_hidden_state.cpu())
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-3, atol=1e-3)
