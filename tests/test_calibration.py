@@ -123,7 +123,7 @@ def test_sensitivity_allocation_meets_the_ratio_and_says_how():
     model = build("bert")
     report = comera_convert.convert(model, ratio=2, calibration=stats, allocation="sensitivity")
     assert report.ratio >= 2 and report.shared_rank is None
-    assert report.extra["allocation"].startswith("sensitivity")
+    assert report.extra["allocation"].startswith("sensitivity") and report.extra["calibration"].startswith("32")
     estimated = report.extra["estimated_relative_error"]
     assert set(estimated) >= {m.name for m in report.modules}
     assert all(0 <= e <= 1 for e in estimated.values())
@@ -148,6 +148,8 @@ def test_bad_calibration_input():
         ConvertOptions(ratio=2, allocation="sensitivity")
     with pytest.raises(ConfigError, match="no statistics were given"):
         convert_with(model, ConvertOptions(ratio=2, calibration="python-stdlib"))
+    with pytest.raises(ConfigError, match="does not apply to a fixed --rank 8"):
+        ConvertOptions(rank=8, calibration="python-stdlib", allocation="sensitivity")
     with pytest.raises(ConfigError, match="allocation in"):
         ConvertOptions(ratio=2, allocation="greedy")
 

@@ -48,10 +48,14 @@ class Calibration:
         return f"{self.sequences} sequences ({self.tokens} tokens) of {self.source or 'calibration data'}"
 
 
+def widest_input(candidates: list[Candidate]) -> int:
+    """The most inputs any candidate linear layer has (its Gram matrix is that wide)."""
+    return max((c.rows for c in candidates if c.kind == "linear"), default=0)
+
+
 def required_sequences(candidates: list[Candidate], seq_len: int) -> int:
     """Enough sequences for the widest linear's Gram matrix to have full rank (and at least 8)."""
-    widest = max((c.rows for c in candidates if c.kind == "linear"), default=0)
-    return max(8, math.ceil(widest / seq_len))
+    return max(8, math.ceil(widest_input(candidates) / seq_len))
 
 
 def calibrate(model: nn.Module, tokenizer, data: str = "python-stdlib", sequences: int = DEFAULT_SEQUENCES,
@@ -67,7 +71,7 @@ def calibrate(model: nn.Module, tokenizer, data: str = "python-stdlib", sequence
     if sequences < needed:
         raise ConfigError(f"--calibration-sequences {sequences} is too few: at least {needed} sequences of "
                           f"{seq_len} tokens are needed (the widest converted layer has "
-                          f"{max(c.rows for c in candidates)} inputs)")
+                          f"{widest_input(candidates)} inputs)")
     batches = calibration_batches(tokenizer, data, sequences, seq_len)
     return collect(model, candidates, batches, source=data, min_sequences=needed)
 
@@ -94,9 +98,9 @@ def collect(model: nn.Module, candidates: list[Candidate], batches: list[torch.T
     if sequences < min_sequences:
         raise ConfigError(f"calibration data {source or ''} gave {sequences} sequences; at least "
                           f"{min_sequences} are needed (the widest converted layer must see at least as many "
-                          f"tokens as it has inputs): give more text or a longer --calibration-seq-len")
+                          f"tokens as it has inputs): give more calibration text")
     stats = Calibration(sequences=sequences, tokens=sum(b.numel() for b in batches), source=source)
-    shared: dict[tuple, torch.Tensor] = {}  # one Gram per distinct input tensor (q, k, v share one)
+    shared: dict[tuple, tuple] = {}  # statistics per distinct input tensor (q, k, v share one)
     handles = [c.module.register_forward_pre_hook(partial(_record, stats, shared, c)) for c in candidates]
     device = next(model.parameters()).device
     was_training = model.training

@@ -86,9 +86,9 @@ def convert_with(model: nn.Module, options: ConvertOptions, source: str | None =
     elif options.allocation == "sensitivity":
         specs, estimated = allocate_by_sensitivity(candidates, params_before, options.ratio, choice, calibration)
         shared_rank = None
-        extra = {"allocation": "sensitivity: per-layer ranks, greedy by estimated output error removed per "
-                               "parameter on the calibration inputs",
-                 "estimated_relative_error": {k: round(v, 4) for k, v in estimated.items()}}
+        extra.update(allocation="sensitivity: per-layer ranks, greedy by estimated output error removed per "
+                                "parameter on the calibration inputs",
+                     estimated_relative_error={k: round(v, 4) for k, v in estimated.items()})
     else:
         specs, shared_rank = allocate_ranks(candidates, params_before, options.ratio, choice)
 

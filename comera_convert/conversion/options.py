@@ -62,6 +62,9 @@ class ConvertOptions:
             raise ConfigError(expected(f"allocation in {ALLOCATIONS}", self.allocation))
         if self.allocation == "sensitivity" and self.calibration is None:
             raise ConfigError("allocation 'sensitivity' needs calibration data (--calibration DATA)")
+        if self.allocation == "sensitivity" and self.rank is not None:
+            raise ConfigError("allocation 'sensitivity' splits a --ratio budget between layers; it does not "
+                              f"apply to a fixed --rank {self.rank}")
         for name in ("calibration_sequences", "calibration_seq_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

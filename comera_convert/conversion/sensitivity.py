@@ -47,19 +47,17 @@ class ErrorCurve:
         return min(1.0, lost / self.energy) if self.energy > 0 else 0.0
 
 
-def weighted_matrix(candidate: Candidate, calibration: Calibration) -> torch.Tensor | None:
-    """S M for a linear (S^T S = its inputs' Gram), sqrt(counts) * M for an embedding, or None."""
+def weighted_matrix(candidate: Candidate, calibration: Calibration) -> torch.Tensor:
+    """The layer's matrix (rows = inputs / vocabulary) weighted as its decomposition weights it:
+    S M for a linear (S^T S = its inputs' Gram), sqrt(counts) * M for an embedding; unweighted
+    for a layer the calibration did not reach."""
     matrix = candidate.module.weight.detach().to(torch.float64)
     if candidate.kind == "linear":
+        matrix = matrix if type(candidate.module).__name__ == "Conv1D" else matrix.T  # rows = inputs
         gram = calibration.grams.get(candidate.name)
-        if gram is None:
-            return None
-        weight = matrix if type(candidate.module).__name__ == "Conv1D" else matrix.T  # rows = inputs
-        return input_factor(gram)[0] @ weight
+        return matrix if gram is None else input_factor(gram)[0] @ matrix
     counts = calibration.counts.get(candidate.name)
-    if counts is None:
-        return None
-    return (counts + UNSEEN_TOKEN_PRIOR).sqrt()[:, None] * matrix
+    return matrix if counts is None else (counts + UNSEEN_TOKEN_PRIOR).sqrt()[:, None] * matrix
 
 
 def error_curve(weighted: torch.Tensor, spec: TTSpec) -> ErrorCurve:
@@ -78,12 +76,9 @@ def error_curve(weighted: torch.Tensor, spec: TTSpec) -> ErrorCurve:
 def allocate_by_sensitivity(candidates: list[Candidate], total_params: int, ratio: float, choice: LayoutChoice,
                             calibration: Calibration) -> tuple[list[TTSpec | None], dict[str, float]]:
     """Per-layer specs (None = stays dense) meeting ``ratio``, and each layer's estimated relative
-    error on its calibration inputs. Layers without statistics share the lowest rank."""
+    error on its calibration inputs."""
     budget = total_params / ratio
-    curves = []
-    for candidate in candidates:
-        weighted = weighted_matrix(candidate, calibration)
-        curves.append(None if weighted is None else error_curve(weighted, choice.spec(candidate, 1 << 20)))
+    curves = [error_curve(weighted_matrix(c, calibration), choice.spec(c, 1 << 20)) for c in candidates]
     ladders = [_ladder(c, choice) for c in candidates]
     level = [0] * len(candidates)
     specs = [ladder[0] for ladder in ladders]
@@ -122,10 +117,8 @@ def _ladder(candidate: Candidate, choice: LayoutChoice) -> list[TTSpec | None]:
     return ladder + [None] if ladder else [None]
 
 
-def _error(curve: ErrorCurve | None, spec: TTSpec | None) -> float:
-    if spec is None:
-        return 0.0
-    return 1.0 if curve is None else curve.relative_error(spec)
+def _error(curve: ErrorCurve, spec: TTSpec | None) -> float:
+    return 0.0 if spec is None else curve.relative_error(spec)
 
 
 def _stored(candidate: Candidate, spec: TTSpec | None, choice: LayoutChoice) -> int:
@@ -134,7 +127,7 @@ def _stored(candidate: Candidate, spec: TTSpec | None, choice: LayoutChoice) -> 
 
 def _step(i, ladders, level, curves, errors, candidates, choice):
     """The heap entry for layer i's next rank step: (-gain per parameter, i, spec, error, cost)."""
-    if level[i] + 1 >= len(ladders[i]) or curves[i] is None:
+    if level[i] + 1 >= len(ladders[i]):
         return None
     current, nxt = ladders[i][level[i]], ladders[i][level[i] + 1]
     cost = _stored(candidates[i], nxt, choice) - _stored(candidates[i], current, choice)
