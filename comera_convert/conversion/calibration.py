@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..tt.weighted import input_factor, scaled_ttm_cores, whitened_tt_cores
+from ..tt import weighted
 from .targets import Candidate
 
 logger = logging.getLogger("comera_convert")
@@ -43,9 +43,30 @@ class Calibration:
     sequences: int = 0
     tokens: int = 0
     source: str | None = None
+    # Input factors already computed (rank allocation and decomposition both need them).
+    _factors: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def describe(self) -> str:
         return f"{self.sequences} sequences ({self.tokens} tokens) of {self.source or 'calibration data'}"
+
+    def input_factor(self, name: str) -> torch.Tensor | None:
+        """S with S^T S = the layer's input Gram (damped, with a warning, when singular), or None
+        without statistics. Computed once per layer."""
+        if name not in self._factors:
+            gram = self.grams.get(name)
+            if gram is None:
+                return None
+            factor, damping = weighted.input_factor(gram)
+            if damping:
+                logger.warning("%s: the calibration inputs' Gram matrix is singular; damped by %.0e of its mean "
+                               "diagonal (more, or more varied, calibration text avoids this)", name, damping)
+            self._factors[name] = factor
+        return self._factors[name]
+
+    def token_weights(self, name: str) -> torch.Tensor | None:
+        """sqrt(occurrences + prior) per row of an embedding, or None without statistics."""
+        counts = self.counts.get(name)
+        return None if counts is None else (counts + UNSEEN_TOKEN_PRIOR).sqrt()
 
 
 def widest_input(candidates: list[Candidate]) -> int:
@@ -152,28 +173,21 @@ def weighted_decomposer(candidate: Candidate, stats: Calibration, layout: str):
     """The ``decompose(matrix, spec)`` that minimizes this layer's error on the calibration inputs,
     or None when there are no statistics for it."""
     if candidate.kind == "embedding":
-        counts = stats.counts.get(candidate.name)
-        if counts is None:
+        weights = stats.token_weights(candidate.name)
+        if weights is None:
             return None
-        weights = (counts + UNSEEN_TOKEN_PRIOR).sqrt()
-        if layout == "ttm":
-            return partial(_scaled, weights)
-        return partial(_whitened, weights)
+        return partial(_scaled if layout == "ttm" else _whitened, weights)
     gram = stats.grams.get(candidate.name)
     if gram is None:
         return None
     if layout == "ttm":
         return partial(_scaled, gram.diagonal().clamp_min(0).sqrt())
-    factor, damping = input_factor(gram)
-    if damping:
-        logger.warning("%s: the calibration inputs' Gram matrix is singular; damped by %.0e of its mean "
-                       "diagonal (more, or more varied, calibration text avoids this)", candidate.name, damping)
-    return partial(_whitened, factor)
+    return partial(_whitened, stats.input_factor(candidate.name))
 
 
 def _whitened(factor, matrix, spec):
-    return whitened_tt_cores(matrix, spec, factor.to(matrix.device))
+    return weighted.whitened_tt_cores(matrix, spec, factor.to(matrix.device))
 
 
 def _scaled(weights, matrix, spec):
-    return scaled_ttm_cores(matrix, spec, weights.to(matrix.device))
+    return weighted.scaled_ttm_cores(matrix, spec, weights.to(matrix.device))

@@ -27,7 +27,7 @@ from ..errors import RatioError
 from ..tt.decompose import _interleave, _padded
 from ..tt.spec import TTSpec
 from .allocate import LayoutChoice, model_params_with
-from .calibration import UNSEEN_TOKEN_PRIOR, Calibration, input_factor
+from .calibration import Calibration
 from .targets import Candidate
 
 RANK_LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512, 768, 1024)
@@ -54,10 +54,10 @@ def weighted_matrix(candidate: Candidate, calibration: Calibration) -> torch.Ten
     matrix = candidate.module.weight.detach().to(torch.float64)
     if candidate.kind == "linear":
         matrix = matrix if type(candidate.module).__name__ == "Conv1D" else matrix.T  # rows = inputs
-        gram = calibration.grams.get(candidate.name)
-        return matrix if gram is None else input_factor(gram)[0] @ matrix
-    counts = calibration.counts.get(candidate.name)
-    return matrix if counts is None else (counts + UNSEEN_TOKEN_PRIOR).sqrt()[:, None] * matrix
+        factor = calibration.input_factor(candidate.name)
+        return matrix if factor is None else factor @ matrix
+    weights = calibration.token_weights(candidate.name)
+    return matrix if weights is None else weights[:, None] * matrix
 
 
 def error_curve(weighted: torch.Tensor, spec: TTSpec) -> ErrorCurve:
