@@ -198,3 +198,26 @@ def test_an_interrupted_save_leaves_nothing_half_written(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         model.save_pretrained(tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_reordered_embedding_round_trips_and_needs_format_2(tmp_path):
+    """A calibrated conversion holds the vocabulary frequent-first; the checkpoint records it (format
+    version 2, which older readers refuse instead of looking up the wrong rows) and loads back equal."""
+    from comera_convert.conversion.calibration import collect
+    from comera_convert.conversion.targets import find_candidates
+
+    model = build("bert-mlm")
+    batches = [torch.randint(0, 40, (8, 16)) for _ in range(4)]
+    stats = collect(model, find_candidates(model)[0], batches, source="test")
+    comera_convert.convert(model, ratio=2, embedding_layout="tt", calibration=stats)
+    assert model.bert.embeddings.word_embeddings.row_of_token is not None
+    model.save_pretrained(tmp_path / "ordered")
+    quantization = json.loads((tmp_path / "ordered" / "config.json").read_text())["quantization_config"]
+    assert quantization["version"] == 2
+    assert quantization["modules"]["bert.embeddings.word_embeddings"]["reordered"] is True
+    loaded = tf.AutoModelForMaskedLM.from_pretrained(tmp_path / "ordered").eval()
+    assert torch.equal(outputs(loaded), outputs(model.eval()))
+    dense = comera_convert.decompress(loaded)
+    assert rel_err(outputs(dense), outputs(model)) < 1e-5
+    _, plain = converted("bert-mlm", tmp_path)
+    assert json.loads((plain / "config.json").read_text())["quantization_config"]["version"] == 1

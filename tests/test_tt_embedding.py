@@ -102,3 +102,49 @@ def test_bad_input():
         tt(torch.tensor([1.0]))
     with pytest.raises(ValueError, match="padding_idx within"):
         TTEmbedding(40, 8, padding_idx=40)
+
+
+@pytest.mark.parametrize("layout", ["tt", "ttm"])
+def test_reordered_rows_look_up_by_token_id(layout):
+    """Frequent-first TT rows: lookups, ``weight`` and the tied head all stay in token-id order."""
+    from comera_convert.layers import TiedTTHead
+
+    dense = nn.Embedding(1009, 24)  # a prime vocabulary: the TT rows are padded to 1024
+    order = torch.randperm(1009)
+    tt = TTEmbedding.from_embedding(dense, rank=FULL, layout=layout, token_order=order)
+    idx = torch.tensor([[0, 7, 1008], [order[0], order[1], 3]])
+    assert rel_err(tt(idx), dense(idx)) < 1e-4
+    assert rel_err(tt.weight, dense.weight) < 1e-4
+    assert torch.equal(tt.row_of_token[order], torch.arange(1009, dtype=torch.int32))
+    x = torch.randn(3, 24)
+    logits = TiedTTHead(tt)(x)
+    assert logits.shape == (3, 1009) and rel_err(logits, x @ dense.weight.T) < 1e-4
+
+
+def test_frequent_tokens_first_are_kept_better_by_weighted_truncation():
+    """What data-aware conversion does: weight rows by frequency and put frequent tokens first. The
+    weights of frequent-first rows factor over the modes, so the truncation serves those tokens;
+    the same weights over scattered ids do not."""
+    from functools import partial
+
+    from comera_convert.tt.weighted import whitened_tt_cores
+
+    torch.manual_seed(0)
+    dense = nn.Embedding(1000, 32)
+    frequent = torch.randperm(1000)[:100]
+    weights = torch.ones(1000, dtype=torch.float64)
+    weights[frequent] = 30.0
+    order = torch.sort(weights, descending=True, stable=True).indices
+    scattered = TTEmbedding.from_embedding(dense, rank=12, layout="tt",
+                                           decompose=partial(whitened_tt_cores, factor=weights))
+    first = TTEmbedding.from_embedding(dense, rank=12, layout="tt", token_order=order,
+                                       decompose=partial(whitened_tt_cores, factor=weights[order]))
+    errors = {name: rel_err(tt(frequent), dense(frequent)) for name, tt in (("scattered", scattered), ("first", first))}
+    assert errors["first"] < 0.8 * errors["scattered"], errors
+
+
+def test_token_order_must_be_a_permutation():
+    dense = nn.Embedding(100, 8)
+    for bad in (torch.arange(99), torch.zeros(100, dtype=torch.long), torch.arange(100.0)):
+        with pytest.raises(ValueError, match="permutation of the 100 token ids"):
+            TTEmbedding.from_embedding(dense, rank=4, token_order=bad)

@@ -4,8 +4,9 @@ Forward hooks on every module the converter may replace record, over a few hundr
 the Gram matrix X^T X of each linear layer's inputs (float64, accumulated from float32 batch
 products) and how often each embedding row is looked up. ``weighted_decomposer`` turns them into
 the decomposition each layer gets (``tt.weighted``): whitened TT-SVD for tt-layout linears,
-row-weighted TTM-SVD for the ttm layout, token-frequency weights for embeddings. The inputs'
-means also let ``correct_bias`` remove the mean of each linear layer's output error.
+row-weighted TTM-SVD for the ttm layout, token-frequency weights for embeddings, whose rows are
+also reordered by frequency (``token_order``). The inputs' means also let ``correct_bias``
+remove the mean of each linear layer's output error.
 """
 
 from __future__ import annotations
@@ -63,10 +64,16 @@ class Calibration:
             self._factors[name] = factor
         return self._factors[name]
 
-    def token_weights(self, name: str) -> torch.Tensor | None:
-        """sqrt(occurrences + prior) per row of an embedding, or None without statistics."""
+    def token_order(self, name: str) -> torch.Tensor | None:
+        """An embedding's token ids by descending calibration frequency (ties by id), or None without
+        statistics: the order its TT rows hold them in, so the leading mode groups frequent tokens."""
         counts = self.counts.get(name)
-        return None if counts is None else (counts + UNSEEN_TOKEN_PRIOR).sqrt()
+        return None if counts is None else torch.sort(counts, descending=True, stable=True).indices
+
+    def token_weights(self, name: str) -> torch.Tensor | None:
+        """sqrt(occurrences + prior) per row of an embedding, in ``token_order``, or None without statistics."""
+        counts = self.counts.get(name)
+        return None if counts is None else (counts + UNSEEN_TOKEN_PRIOR).sqrt()[self.token_order(name)]
 
 
 def widest_input(candidates: list[Candidate]) -> int:

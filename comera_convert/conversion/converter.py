@@ -104,8 +104,9 @@ def convert_with(model: nn.Module, options: ConvertOptions, source: str | None =
         if decompose:
             kwargs["decompose"] = decompose
         if candidate.kind == "embedding":
+            order = calibration.token_order(candidate.name) if calibration is not None else None
             new = TTEmbedding.from_embedding(candidate.module, row_modes=spec.row_modes,
-                                             col_modes=spec.col_modes, **kwargs)
+                                             col_modes=spec.col_modes, token_order=order, **kwargs)
         else:
             new = TTLinear.from_linear(candidate.module, in_modes=spec.row_modes, out_modes=spec.col_modes,
                                        **kwargs)

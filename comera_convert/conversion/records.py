@@ -3,7 +3,7 @@ functions that build TT modules from records (when loading) or records from modu
 
 A record is a JSON-able dict:
     {"kind": "linear", "spec": {...TTSpec...}, "bias": true, "gates": true}
-    {"kind": "embedding", "spec": {...}, "padding_idx": 0, "gates": true}
+    {"kind": "embedding", "spec": {...}, "padding_idx": 0, "gates": true, "reordered": false}
     {"kind": "tied_head", "embedding": "bert.embeddings.word_embeddings", "bias": true}
 """
 
@@ -26,7 +26,7 @@ def record_of(module: nn.Module, model: nn.Module | None = None) -> dict:
                 "gates": module.gated, "dense_class": module.dense_class}
     if isinstance(module, TTEmbedding):
         return {"kind": "embedding", "spec": module.spec.to_dict(), "padding_idx": module.padding_idx,
-                "gates": module.gated}
+                "gates": module.gated, "reordered": module.row_of_token is not None}
     if isinstance(module, TiedTTHead):
         names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
         return {"kind": "tied_head", "embedding": names.get(id(module.embedding)),
@@ -60,7 +60,13 @@ def module_from_record(record: dict, name: str, dtype=None, device=None) -> nn.M
         layer.dense_class = record.get("dense_class", "Linear")
         return layer
     return TTEmbedding(spec.rows, spec.cols, record.get("padding_idx"), row_modes=spec.row_modes,
-                       col_modes=spec.col_modes, **common)
+                       col_modes=spec.col_modes, reordered=record.get("reordered", False), **common)
+
+
+def format_version(records: dict[str, dict]) -> int:
+    """The oldest checkpoint format that can hold these records: 2 once an embedding is reordered
+    (a reader of version 1 would ignore the order and look up the wrong rows), 1 otherwise."""
+    return 2 if any(r.get("reordered") for r in records.values()) else 1
 
 
 def tie_head(model: nn.Module, name: str, record: dict) -> TiedTTHead:

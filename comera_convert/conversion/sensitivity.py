@@ -49,15 +49,16 @@ class ErrorCurve:
 
 def weighted_matrix(candidate: Candidate, calibration: Calibration) -> torch.Tensor:
     """The layer's matrix (rows = inputs / vocabulary) weighted as its decomposition weights it:
-    S M for a linear (S^T S = its inputs' Gram), sqrt(counts) * M for an embedding; unweighted
-    for a layer the calibration did not reach."""
+    S M for a linear (S^T S = its inputs' Gram), sqrt(counts) * M for an embedding (rows in
+    ``token_order``, as the converter lays them out); unweighted for a layer the calibration
+    did not reach."""
     matrix = candidate.module.weight.detach().to(torch.float64)
     if candidate.kind == "linear":
         matrix = matrix if type(candidate.module).__name__ == "Conv1D" else matrix.T  # rows = inputs
         factor = calibration.input_factor(candidate.name)
         return matrix if factor is None else factor @ matrix
     weights = calibration.token_weights(candidate.name)
-    return matrix if weights is None else weights[:, None] * matrix
+    return matrix if weights is None else weights[:, None] * matrix[calibration.token_order(candidate.name)]
 
 
 def error_curve(weighted: torch.Tensor, spec: TTSpec) -> ErrorCurve:

@@ -14,7 +14,9 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from ..errors import ModelLoadError, expected
 
 QUANT_METHOD = "comera"
-FORMAT_VERSION = 1  # bump when the record format changes; older versions must keep loading
+# Bump when the record format changes; older versions must keep loading. 2: embeddings may hold
+# their rows in another order than the token ids ("reordered", with a row_of_token tensor).
+FORMAT_VERSION = 2
 # config.json names this file as the model's weights. It does not exist: a transformers that does
 # not know comera_convert stops on it with this instruction, instead of loading a dense model
 # with random weights. comera_convert's quantizer points transformers at model.safetensors.
@@ -47,11 +49,12 @@ class ComeraConfig(QuantizationConfigMixin):
         self._model = weakref.ref(model)
 
     def to_dict(self) -> dict:
-        from ..conversion.records import records_of
+        from ..conversion.records import format_version, records_of
 
         model = self._model() if self._model is not None else None
         modules = records_of(model) if model is not None else self.modules
-        return {"quant_method": self.quant_method, "version": self.version, "source": self.source,
+        # The version the records need, so that checkpoints older readers can load keep loading there.
+        return {"quant_method": self.quant_method, "version": format_version(modules), "source": self.source,
                 "dense_params": self.dense_params, "modules": copy.deepcopy(modules)}
 
     def __iter__(self):

@@ -70,12 +70,13 @@ class TTModule(nn.Module):
         return self.gates is not None
 
     def cached(self, name: str, compute):
-        """``compute()``, remembered across calls while autograd is off (inference) and the cores and
-        gates are unchanged: the merged halves do not depend on the input, so eval mode builds them
-        once. With autograd on it is always recomputed (the graph must reach the cores)."""
+        """``compute()``, remembered across calls while autograd is off (inference) and the cores,
+        gates and buffers are unchanged: the merged halves do not depend on the input, so eval mode
+        builds them once. With autograd on it is always recomputed (the graph must reach the cores)."""
         if torch.is_grad_enabled():
             return compute()
-        stamp = tuple((p.data_ptr(), p._version) for p in list(self.cores) + list(self.gates or []))
+        tensors = list(self.cores) + list(self.gates or []) + list(self.buffers(recurse=False))
+        stamp = tuple((t.data_ptr(), t._version) for t in tensors)
         cache = self.__dict__.setdefault("_inference_cache", {})
         if name not in cache or cache[name][0] != stamp:
             cache[name] = (stamp, compute())

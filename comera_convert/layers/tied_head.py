@@ -32,7 +32,8 @@ class TiedTTHead(nn.Module):
         if spec.layout == "tt":  # x R^T L^T + b through the cached (in eval) halves of the embedding
             left, right = self.embedding.cached("halves-0", lambda: embedding_halves(
                 self.embedding.gated_cores(), spec, 0))
-            return through_bond(x, right.t(), left.t(), self.bias)
+            # One logit per token id: the left half's rows in id order, without the padding rows.
+            return through_bond(x, right.t(), self.embedding.in_token_order(left).t(), self.bias)
         # ttm: build the (vocab x dim) table once and run one GEMM. The logits are tokens x vocab
         # anyway; contracting core by core would hold a tokens x rows x rank x cols intermediate
         # many times their size.

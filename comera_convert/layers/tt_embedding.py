@@ -20,11 +20,16 @@ class TTEmbedding(TTModule):
     A lookup computes only the requested rows: both half-products of the cores are built once per
     call and each row is a gathered slice of one times a slice of the other (as CoMERA does).
     ``padding_idx`` behaves as in nn.Embedding: its row gets no gradient.
+
+    ``reordered``: the TT rows hold the tokens in another order than their ids (data-aware
+    conversion puts the most frequent tokens first, so that the leading mode's slices, and with
+    them the truncated bonds, serve them); the buffer ``row_of_token`` maps each id to its row.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *,
                  rank=DEFAULT_RANK, layout: str = "ttm", d: int = DEFAULT_ORDER,
-                 row_modes=None, col_modes=None, gates: bool = True, device=None, dtype=None):
+                 row_modes=None, col_modes=None, gates: bool = True, reordered: bool = False,
+                 device=None, dtype=None):
         super().__init__()
         check_size("num_embeddings", num_embeddings)
         check_size("embedding_dim", embedding_dim)
@@ -39,6 +44,9 @@ class TTEmbedding(TTModule):
         spec = TTSpec.plan(num_embeddings, embedding_dim, rank, layout=layout, d=d,
                            row_modes=row_modes, col_modes=col_modes)
         self._init_factors(spec, gates, device=device, dtype=dtype)
+        # int32: 4 bytes per token in the checkpoint (0.5 % of a rank-100 TT table of BERT's vocabulary).
+        identity = torch.arange(num_embeddings, dtype=torch.int32, device=device)
+        self.register_buffer("row_of_token", identity if reordered else None)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -47,21 +55,40 @@ class TTEmbedding(TTModule):
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, rank=DEFAULT_RANK, layout: str = "ttm",
                        row_modes=None, col_modes=None, d: int = DEFAULT_ORDER, gates: bool = True,
-                       decompose=matrix_to_cores) -> "TTEmbedding":
-        """A TTEmbedding initialized from a dense table by TTM-SVD (or TT-SVD), same device and dtype."""
+                       decompose=matrix_to_cores, token_order: torch.Tensor | None = None) -> "TTEmbedding":
+        """A TTEmbedding initialized from a dense table by TTM-SVD (or TT-SVD), same device and dtype.
+
+        token_order: the token ids in the order the TT rows should hold them (a permutation, e.g.
+        by descending frequency); ``decompose`` then receives the table's rows in that order.
+        """
         if not isinstance(embedding, nn.Embedding):
             raise TypeError(expected("an nn.Embedding", type(embedding).__name__))
         weight = embedding.weight
         layer = cls(embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx,
                     rank=rank, layout=layout, d=d, row_modes=row_modes, col_modes=col_modes,
-                    gates=gates, device=weight.device, dtype=weight.dtype)
-        layer._load_cores(decompose(weight.detach(), layer.spec))
+                    gates=gates, reordered=token_order is not None, device=weight.device, dtype=weight.dtype)
+        table = weight.detach()
+        if token_order is not None:
+            token_order = _check_permutation(token_order, embedding.num_embeddings).to(weight.device)
+            layer.row_of_token[token_order] = torch.arange(len(token_order), dtype=torch.int32, device=weight.device)
+            table = table[token_order]
+        layer._load_cores(decompose(table, layer.spec))
         return layer
 
     @property
     def weight(self) -> torch.Tensor:
         """The dense table, built on demand (for code that reads ``embedding.weight``)."""
         return self.dense_matrix()
+
+    def dense_matrix(self) -> torch.Tensor:
+        """The (num_embeddings x embedding_dim) table, rows in token-id order."""
+        return self.in_token_order(super().dense_matrix())
+
+    def in_token_order(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows indexed by TT row (padding included) -> rows indexed by token id."""
+        if self.row_of_token is None:
+            return rows[: self.num_embeddings]
+        return rows.index_select(0, self.row_of_token)
 
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
         if indices.dtype not in (torch.int64, torch.int32):
@@ -76,7 +103,8 @@ class TTEmbedding(TTModule):
         if spec.layout == "ttm":
             split = ttm_split(spec, indices.numel(), cost=embedding_lookup_flops)
         halves = self.cached(f"halves-{split}", lambda: embedding_halves(self.gated_cores(), spec, split))
-        rows = rows_from_halves(indices.long(), halves, spec, deduplicate=not sync_free)
+        tt_rows = indices if self.row_of_token is None else self.row_of_token[indices]
+        rows = rows_from_halves(tt_rows.long(), halves, spec, deduplicate=not sync_free)
         if self.padding_idx is not None and self.training:
             is_pad = (indices == self.padding_idx).unsqueeze(-1)
             rows = torch.where(is_pad, rows.detach(), rows)
@@ -96,4 +124,15 @@ class TTEmbedding(TTModule):
 
     def extra_repr(self) -> str:
         pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
-        return f"{self.num_embeddings}, {self.embedding_dim}{pad}, {self._tt_repr()}"
+        order = ", reordered" if self.row_of_token is not None else ""
+        return f"{self.num_embeddings}, {self.embedding_dim}{pad}, {self._tt_repr()}{order}"
+
+
+def _check_permutation(order: torch.Tensor, size: int) -> torch.Tensor:
+    order = torch.as_tensor(order)
+    is_permutation = (tuple(order.shape) == (size,) and not order.is_floating_point()
+                      and bool((order.sort().values.cpu() == torch.arange(size)).all()))
+    if not is_permutation:
+        raise ValueError(expected(f"token_order as a permutation of the {size} token ids",
+                                  f"a tensor of shape {tuple(order.shape)} and dtype {order.dtype}"))
+    return order.long()
