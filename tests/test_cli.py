@@ -173,6 +173,7 @@ def test_convert_with_calibration_records_it(dense_dir, tmp_path):
     assert "calibrate" in result.output and "rank allocation" in result.output
     report = json.loads((out / "comera_report.json").read_text())
     assert report["extra"]["calibration"].startswith("16 sequences (1024 tokens)")  # 64 = the model's max positions
+    assert report["extra"]["calibration"].endswith("token frequencies from 3000 tokens")  # all the text
     assert report["extra"]["allocation"].startswith("uniform")
     assert {m["layout"] for m in report["modules"] if m["kind"] == "embedding"} == {"tt"}
     assert comera_convert.from_pretrained(out).config.quantization_config.modules

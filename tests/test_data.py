@@ -1,9 +1,10 @@
 import json
 
 import pytest
+import torch
 
 from comera_convert.errors import ConfigError
-from comera_convert.training.data import BUILTIN, documents, pack
+from comera_convert.training.data import BUILTIN, HELD_OUT_EVERY, documents, pack, sample
 
 
 @pytest.fixture(scope="module")
@@ -61,3 +62,32 @@ def test_too_little_text(tmp_path, tokenizer):
     (tmp_path / "tiny.txt").write_text("hi")
     with pytest.raises(ConfigError, match="too little text for one training block of 64 tokens"):
         pack(str(tmp_path / "tiny.txt"), tokenizer, 64, 10, 2)
+
+
+def test_calibration_sample_starts_blocks_at_spread_documents(tmp_path, tokenizer):
+    """One block per document while there are enough (short documents run on into the next), the
+    held-out documents unread, and every token read counted."""
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for i in range(40):  # long documents, each its own words
+        (folder / f"{i:02d}-long.txt").write_text(" ".join([f"doc{i}"] * 80))
+    texts = list(documents(str(folder)))
+    taken = sample(str(folder), tokenizer, 32, tokenizer.vocab_size, max_tokens=10 ** 6)
+    train = [t for i, t in enumerate(texts) if i % HELD_OUT_EVERY != HELD_OUT_EVERY - 1]
+    assert len(taken.blocks) == len(train) == 38
+    firsts = taken.spread(10)
+    assert len(firsts) == 10 and all(len(b) == 32 for b in firsts)
+    starts = {tuple(b[1:3].tolist()) for b in firsts}
+    assert len(starts) == 10  # ten different documents, not ten blocks of the first one
+    assert len(taken.spread(200)) > 38  # too few documents: their second blocks too
+    ids = torch.tensor([i for t in train for i in tokenizer(t, add_special_tokens=False)["input_ids"]])
+    assert taken.tokens == len(ids)  # the held-out documents are not read: their words are not counted
+    assert torch.equal(taken.counts, torch.bincount(ids, minlength=tokenizer.vocab_size).double())
+    capped = sample(str(folder), tokenizer, 32, tokenizer.vocab_size, max_tokens=500)
+    assert capped.tokens == 500
+
+
+def test_short_documents_run_on_into_one_block(tmp_path, tokenizer):
+    (tmp_path / "short.jsonl").write_text("".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(60)))
+    taken = sample(str(tmp_path / "short.jsonl"), tokenizer, 16, tokenizer.vocab_size, max_tokens=10 ** 6)
+    assert taken.blocks and all(len(b) == 16 for blocks in taken.blocks for b in blocks)

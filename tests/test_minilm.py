@@ -133,7 +133,8 @@ def test_data_aware_init_beats_plain_tt_svd():
         cosines[name] = mean_cosine(model, dense, tokenizer, texts)
     print(f"MiniLM --ratio 4 before training, held-out cosine to dense: plain {cosines['plain']:.3f}, "
           f"data-aware {cosines['calibrated']:.3f}")
-    assert cosines["calibrated"] > cosines["plain"] + 0.1
+    # Measured: plain 0.07, data-aware 0.70 (0.70 with the default 128 sequences too).
+    assert cosines["calibrated"] > max(0.6, cosines["plain"] + 0.3)
 
 
 @pytest.mark.parametrize("args,fragment", [

@@ -101,6 +101,77 @@ def documents(source: str) -> Iterator[str]:
         yield from _dataset(source)
 
 
+@dataclass(frozen=True)
+class Framing:
+    """How a tokenizer's ids become blocks of ``seq_len``: encoders get [CLS] ... [SEP] around each
+    block; documents are joined with the separator (or end-of-text) token."""
+
+    body: int  # ids of text per block
+    joiner: int | None
+    cls_id: int | None
+    sep_id: int | None
+
+    @classmethod
+    def of(cls, tokenizer, seq_len: int) -> "Framing":
+        cls_id, sep_id = tokenizer.cls_token_id, tokenizer.sep_token_id
+        wrap = cls_id is not None and sep_id is not None
+        body = seq_len - 2 if wrap else seq_len
+        if body < 1:
+            raise ConfigError(f"--seq-len {seq_len} is too short (expected at least 3)")
+        joiner = sep_id if sep_id is not None else tokenizer.eos_token_id
+        return cls(body, joiner, cls_id if wrap else None, sep_id if wrap else None)
+
+    def block(self, chunk: list[int]) -> torch.Tensor:
+        return torch.tensor([self.cls_id] + chunk + [self.sep_id] if self.cls_id is not None else chunk)
+
+
+@dataclass
+class Sample:
+    """Blocks that start at document starts (``blocks[i]``: document i's consecutive blocks; a
+    short document runs on into the next ones) and how often each token id occurs in the text read."""
+
+    blocks: list[list[torch.Tensor]]
+    counts: torch.Tensor
+    tokens: int
+
+    def spread(self, count: int) -> list[torch.Tensor]:
+        """``count`` blocks evenly spread over the documents: every document's first block, then
+        (when that is too few) second blocks, and so on, picked at even intervals."""
+        pool: list[torch.Tensor] = []
+        depth = 0
+        while len(pool) < count and any(len(b) > depth for b in self.blocks):
+            pool += [b[depth] for b in self.blocks if len(b) > depth]
+            depth += 1
+        if len(pool) <= count:
+            return pool
+        picks = torch.linspace(0, len(pool) - 1, count).round().long().tolist()
+        return [pool[i] for i in picks]
+
+
+def sample(source: str, tokenizer, seq_len: int, vocab_size: int, max_tokens: int) -> Sample:
+    """Read the training split of ``source`` (at most ``max_tokens`` ids) into blocks that start at
+    document starts, counting every token read (for calibration: many documents, not one long one)."""
+    framing = Framing.of(tokenizer, seq_len)
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
+    per_document, stream, read = [], [], 0
+    for index, text in enumerate(documents(source)):
+        if index % HELD_OUT_EVERY == HELD_OUT_EVERY - 1:
+            continue
+        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"][: max_tokens - read]
+        read += len(ids)
+        counts += torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab_size)[:vocab_size].double()
+        stream.extend(ids + ([framing.joiner] if framing.joiner is not None else []))
+        if len(stream) >= framing.body:
+            usable = len(stream) - len(stream) % framing.body
+            per_document.append([framing.block(stream[i:i + framing.body]) for i in range(0, usable, framing.body)])
+            stream = []  # the next block starts at the next document
+        if read >= max_tokens:
+            break
+    if not read:
+        raise ConfigError(f"--data {source}: no text found (the source is empty)")
+    return Sample(per_document, counts, read)
+
+
 @dataclass
 class Blocks:
     train: list[torch.Tensor]
@@ -114,12 +185,8 @@ def pack(source: str, tokenizer, seq_len: int, max_train_blocks: int, max_held_o
     [CLS] ... [SEP] around each block. Stops reading once both sets are full. With
     ``max_held_out_blocks=0`` only training blocks are made (held-out documents still unread).
     """
-    cls_id, sep_id = tokenizer.cls_token_id, tokenizer.sep_token_id
-    joiner = sep_id if sep_id is not None else tokenizer.eos_token_id
-    wrap = cls_id is not None and sep_id is not None
-    body = seq_len - 2 if wrap else seq_len
-    if body < 1:
-        raise ConfigError(f"--seq-len {seq_len} is too short (expected at least 3)")
+    framing = Framing.of(tokenizer, seq_len)
+    joiner, body = framing.joiner, framing.body
     streams = {"train": [], "held_out": []}
     blocks = {"train": [], "held_out": []}
     limits = {"train": max_train_blocks, "held_out": max_held_out_blocks}
@@ -137,7 +204,7 @@ def pack(source: str, tokenizer, seq_len: int, max_train_blocks: int, max_held_o
         while len(stream) >= body and len(blocks[split]) < limits[split]:
             chunk, streams[split] = stream[:body], stream[body:]
             stream = streams[split]
-            blocks[split].append(torch.tensor([cls_id] + chunk + [sep_id] if wrap else chunk))
+            blocks[split].append(framing.block(chunk))
     if empty:
         raise ConfigError(f"--data {source}: no text found (the source is empty)")
     if not blocks["train"]:
