@@ -29,7 +29,7 @@ DEFAULT_SEQUENCES = 128  # a few hundred sequences is what activation-aware SVD 
 DEFAULT_SEQ_LEN = 128
 BATCH = 16
 # Token frequencies come from up to this many tokens of the calibration text: the whole built-in
-# corpus (3.6 M BERT tokens, about 10 s to tokenize on 2 cores). They cost no forward pass, and
+# corpus (3.6 M BERT tokens, about 8 s to tokenize on 2 cores). They cost no forward pass, and
 # the 16 K tokens of the calibration sequences alone miss most of the vocabulary held-out text uses.
 COUNTED_TOKENS = 4_000_000
 # Weight of a token never seen in calibration, relative to one occurrence: rare tokens keep some

@@ -154,10 +154,9 @@ def sample(source: str, tokenizer, seq_len: int, vocab_size: int, max_tokens: in
     framing = Framing.of(tokenizer, seq_len)
     counts = torch.zeros(vocab_size, dtype=torch.float64)
     per_document, stream, read = [], [], 0
-    for index, text in enumerate(documents(source)):
-        if index % HELD_OUT_EVERY == HELD_OUT_EVERY - 1:
-            continue
-        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"][: max_tokens - read]
+    training = (text for i, text in enumerate(documents(source)) if i % HELD_OUT_EVERY != HELD_OUT_EVERY - 1)
+    for ids in _token_ids(training, tokenizer):
+        ids = ids[: max_tokens - read]
         read += len(ids)
         counts += torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab_size)[:vocab_size].double()
         stream.extend(ids + ([framing.joiner] if framing.joiner is not None else []))
@@ -170,6 +169,19 @@ def sample(source: str, tokenizer, seq_len: int, vocab_size: int, max_tokens: in
     if not read:
         raise ConfigError(f"--data {source}: no text found (the source is empty)")
     return Sample(per_document, counts, read)
+
+
+def _token_ids(texts: Iterator[str], tokenizer, chunk: int = 64) -> Iterator[list[int]]:
+    """Each text's token ids, encoded a chunk of texts at a time (a fast tokenizer spreads a chunk
+    over the cores)."""
+    batch: list[str] = []
+    for text in texts:
+        batch.append(text)
+        if len(batch) == chunk:
+            yield from tokenizer(batch, add_special_tokens=False, verbose=False)["input_ids"]
+            batch = []
+    if batch:
+        yield from tokenizer(batch, add_special_tokens=False, verbose=False)["input_ids"]
 
 
 @dataclass
