@@ -9,11 +9,12 @@ the summed squared errors per added parameter, while the whole model still meets
 last step of a layer is keeping it dense, which removes its error at the price of all its
 parameters.
 
-Measured on all-MiniLM-L6-v2 (BENCHMARKS.md, Quality) it is mixed: better than one shared rank
-at ``--ratio 4`` (embedding cosine 0.37 against 0.34) and worse at ``--ratio 2`` (0.58 against
-0.63). The weighted-energy estimate is dominated by a few outlier activation directions, so it
-can starve layers whose errors matter more than their estimate says. It is therefore opt-in
-(``allocation="sensitivity"``); the shared rank stays the default.
+Measured on all-MiniLM-L6-v2 (BENCHMARKS.md, Quality) it is worse than one shared rank at both
+ratios (embedding cosine 0.88 against 0.95 at ``--ratio 2``, 0.62 against 0.70 at ``--ratio 4``).
+The weighted-energy estimate is dominated by a few outlier activation directions, so it starves
+layers whose errors matter more than their estimate says, and it cannot see how errors compound
+through the network. It is therefore opt-in (``allocation="sensitivity"``); the shared rank
+stays the default.
 """
 
 from __future__ import annotations
