@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import ConfigError
-from .training.data import BUILTIN, HELD_OUT_EVERY, documents
+from .training.data import BUILTIN, documents, is_held_out
 from .training.objectives import BlockCollator, mean_pool
 
 
@@ -24,7 +24,7 @@ def held_out_texts(source: str, count: int) -> list[str]:
     """Up to ``count`` evaluation texts: the built-in corpus's held-out split (the documents training
     never sees), or any other source's documents as given; a single document is split into paragraphs."""
     if source == BUILTIN:
-        texts = [t for i, t in enumerate(documents(source)) if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1]
+        texts = [t for i, t in enumerate(documents(source)) if is_held_out(i)]
     else:
         texts = list(documents(source))
         if len(texts) == 1:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from comera_convert.errors import ConfigError
-from comera_convert.training.data import BUILTIN, HELD_OUT_EVERY, documents, pack, sample
+from comera_convert.training.data import BUILTIN, documents, is_held_out, pack, sample
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_calibration_sample_starts_blocks_at_spread_documents(tmp_path, tokenize
         (folder / f"{i:02d}-long.txt").write_text(" ".join([f"doc{i}"] * 80))
     texts = list(documents(str(folder)))
     taken = sample(str(folder), tokenizer, 32, tokenizer.vocab_size, max_tokens=10 ** 6)
-    train = [t for i, t in enumerate(texts) if i % HELD_OUT_EVERY != HELD_OUT_EVERY - 1]
+    train = [t for i, t in enumerate(texts) if not is_held_out(i)]
     assert len(taken.blocks) == len(train) == 38
     firsts = taken.spread(10)
     assert len(firsts) == 10 and all(len(b) == 32 for b in firsts)

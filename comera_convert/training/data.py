@@ -24,6 +24,11 @@ TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".c", ".h", ".js", ".ts", ".java"
 HELD_OUT_EVERY = 20  # document i is held out when i % 20 == 19: 5 %
 
 
+def is_held_out(index: int) -> bool:
+    """Whether document ``index`` of a source belongs to its held-out split (training never reads it)."""
+    return index % HELD_OUT_EVERY == HELD_OUT_EVERY - 1
+
+
 def stdlib_files() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
     return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts)
@@ -154,7 +159,7 @@ def sample(source: str, tokenizer, seq_len: int, vocab_size: int, max_tokens: in
     framing = Framing.of(tokenizer, seq_len)
     counts = torch.zeros(vocab_size, dtype=torch.float64)
     per_document, stream, read = [], [], 0
-    training = (text for i, text in enumerate(documents(source)) if i % HELD_OUT_EVERY != HELD_OUT_EVERY - 1)
+    training = (text for i, text in enumerate(documents(source)) if not is_held_out(i))
     for ids in _token_ids(training, tokenizer):
         ids = ids[: max_tokens - read]
         read += len(ids)
@@ -205,7 +210,7 @@ def pack(source: str, tokenizer, seq_len: int, max_train_blocks: int, max_held_o
     empty = True
     for index, text in enumerate(documents(source)):
         empty = False
-        split = "held_out" if index % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 else "train"
+        split = "held_out" if is_held_out(index) else "train"
         if len(blocks[split]) >= limits[split]:
             if all(len(blocks[s]) >= limits[s] for s in blocks):
                 break
