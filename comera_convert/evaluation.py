@@ -88,14 +88,13 @@ def _lm_scores(model, batch, kind: str) -> tuple[float, float]:
 def evaluate(compressed_name: str, reference_name: str | None = None, data: str = BUILTIN, texts: int = 64,
              seq_len: int = 128) -> dict:
     """Metrics of a compressed checkpoint against its dense reference (the recorded source by default)."""
-    from transformers import AutoTokenizer
-
+    from .hf.config import compression_of
     from .hf.loading import from_pretrained
-    from .models import load_model, read_config, resolve
+    from .models import load_model, load_tokenizer, read_config, resolve
 
     path = resolve(compressed_name)
     config = read_config(path)
-    source = reference_name or (config.get("quantization_config") or {}).get("source")
+    source = reference_name or (compression_of(config) or {}).get("source")
     if not source:
         raise ConfigError("the checkpoint records no source model: pass --reference DENSE")
     kind = _kind(config)
@@ -104,7 +103,7 @@ def evaluate(compressed_name: str, reference_name: str | None = None, data: str 
     reference, _ = load_model(source, task=task)
     reference.eval()
     _check_match(compressed, reference, source)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path, "comera eval")
     sample = held_out_texts(data, texts)
     if len(sample) < 2:
         raise ConfigError(f"--data {data}: needs at least 2 held-out texts to compare models (found {len(sample)})")
