@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import RatioError
+from ..layers.tt_linear import dense_weight_of
 from ..tt.decompose import _interleave, _padded
 from ..tt.spec import TTSpec
 from .allocate import LayoutChoice, model_params_with
@@ -53,11 +54,11 @@ def weighted_matrix(candidate: Candidate, calibration: Calibration) -> torch.Ten
     S M for a linear (S^T S = its inputs' Gram), sqrt(counts) * M for an embedding (rows in
     ``token_order``, as the converter lays them out); unweighted for a layer the calibration
     did not reach."""
-    matrix = candidate.module.weight.detach().to(torch.float64)
     if candidate.kind == "linear":
-        matrix = matrix if type(candidate.module).__name__ == "Conv1D" else matrix.T  # rows = inputs
+        matrix = dense_weight_of(candidate.module)[0].detach().to(torch.float64).T  # rows = inputs
         factor = calibration.input_factor(candidate.name)
         return matrix if factor is None else factor @ matrix
+    matrix = candidate.module.weight.detach().to(torch.float64)
     weights = calibration.token_weights(candidate.name)
     return matrix if weights is None else weights[:, None] * matrix[calibration.token_order(candidate.name)]
 
