@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
 
@@ -29,6 +30,7 @@ def bench(cases, quick, device, dtype, repeats, json_path):
 
     from .. import bench as benchmarks
     from ..errors import ConfigError
+    from ..hf.saving import write_text_atomic
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -51,8 +53,7 @@ def bench(cases, quick, device, dtype, repeats, json_path):
     if json_path:
         payload = {"machine": benchmarks.machine(), "torch": torch.__version__, "device": device,
                    "dtype": dtype, "quick": quick, "rows": rows}
-        with open(json_path, "w") as f:
-            json.dump(payload, f, indent=1)
+        write_text_atomic(Path(json_path), json.dumps(payload, indent=1))
         out.print(f"[green]wrote[/] {json_path}")
 
 

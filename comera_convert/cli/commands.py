@@ -134,6 +134,7 @@ def evaluate(model, reference, data, texts, seq_len, json_path):
 
     from ..evaluation import evaluate as run_eval
     from ..evaluation import record_in_report
+    from ..hf.saving import write_text_atomic
     from ..models import resolve
 
     metrics = run_eval(model, reference, data=data, texts=texts, seq_len=seq_len)
@@ -147,4 +148,4 @@ def evaluate(model, reference, data, texts, seq_len, json_path):
             table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
     console().print(table)
     if json_path:
-        Path(json_path).write_text(json.dumps(metrics, indent=2) + "\n")
+        write_text_atomic(Path(json_path), json.dumps(metrics, indent=2) + "\n")
