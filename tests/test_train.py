@@ -111,6 +111,38 @@ def test_distill_objective_uses_the_recorded_teacher(tmp_path, tokenizer, corpus
     assert result.held_out_after < result.held_out_before
 
 
+class LearningRates(TrainerCallback):
+    """The cores' learning rate after every optimizer step."""
+
+    def __init__(self):
+        self.rates = []
+
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        self.rates.append(next(g["lr"] for g in optimizer.param_groups if g.get("name") == "cores"))
+
+
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_learning_rate_schedule_holds_or_decays_after_the_warm_up(tmp_path, tokenizer, corpus, schedule):
+    path = compressed(tmp_path, tokenizer)
+    rates = LearningRates()
+    options = TrainOptions(objective="mlm", data=str(corpus), **{**FAST, "warmup_steps": 3},
+                           lr_scheduler_type=schedule)
+    train(str(path), options, tmp_path / "out", callbacks=[rates])
+    peak = FAST["lr_cores"]
+    assert rates.rates[0] == pytest.approx(peak / 3)  # the linear warm-up, either way
+    after_warmup = rates.rates[2:]
+    if schedule == "constant":
+        assert after_warmup == pytest.approx([peak] * len(after_warmup))
+    else:
+        assert all(a > b for a, b in zip(after_warmup, after_warmup[1:]))
+        assert after_warmup[-1] < 0.05 * peak
+
+
+def test_an_unknown_schedule_is_refused():
+    with pytest.raises(ConfigError, match="lr_scheduler_type in .*'cosine'.*got 'step'"):
+        TrainOptions(lr_scheduler_type="step")
+
+
 class StopAt(TrainerCallback):
     def __init__(self, step):
         self.step = step

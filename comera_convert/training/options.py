@@ -15,6 +15,9 @@ from ..errors import ConfigError, expected
 from ..option_files import from_mapping
 
 OBJECTIVES = ("auto", "mlm", "clm", "distill")
+# Learning-rate schedules after the warm-up (transformers' names). CoMERA trains at constant rates;
+# a decaying rate ends distillation on a settled model instead of a noisy iterate.
+LR_SCHEDULERS = ("constant", "linear", "cosine")
 
 
 @dataclass
@@ -31,6 +34,7 @@ class TrainOptions:
     lr_rest: float = 5e-5
     weight_decay: float = 0.01  # cores and dense rest; gates have none (their size term is the regularizer)
     warmup_steps: int = 0
+    lr_scheduler_type: str = "constant"
     # Early stage: L + beta * mean(|active gates|).
     beta: float = 0.01
     # A gate entry below tau is pruned for good (CoMERA's 1e-2).
@@ -66,6 +70,8 @@ class TrainOptions:
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
             raise ConfigError(expected(f"an objective in {OBJECTIVES}", self.objective))
+        if self.lr_scheduler_type not in LR_SCHEDULERS:
+            raise ConfigError(expected(f"an lr_scheduler_type in {LR_SCHEDULERS}", self.lr_scheduler_type))
         for name in ("steps", "seq_len", "batch_size", "gradient_accumulation_steps", "logging_steps",
                      "save_steps", "max_nan_steps", "max_eval_blocks"):
             value = getattr(self, name)

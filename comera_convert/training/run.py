@@ -25,6 +25,8 @@ from .rank_control import RankController
 from .trainer import ComeraTrainer, truncated_copy
 
 CHECKPOINTS = "checkpoints"
+# TrainOptions.lr_scheduler_type -> transformers' name; each starts with the linear warm-up.
+SCHEDULERS = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
 
 
 @dataclass
@@ -89,7 +91,7 @@ def training_arguments(options: TrainOptions, output_dir: Path, **overrides):
         output_dir=str(output_dir), max_steps=options.steps, per_device_train_batch_size=options.batch_size,
         gradient_accumulation_steps=options.gradient_accumulation_steps, logging_steps=options.logging_steps,
         save_strategy="steps", save_steps=options.save_steps, seed=options.seed, bf16=bf16,
-        use_cpu=not cuda, report_to=[], lr_scheduler_type="constant_with_warmup",
+        use_cpu=not cuda, report_to=[], lr_scheduler_type=SCHEDULERS[options.lr_scheduler_type],
         warmup_steps=options.warmup_steps, remove_unused_columns=False,
         dataloader_drop_last=True,  # fixed shapes: CUDA graphs and torch.compile need them
         torch_compile=options.compile, torch_compile_mode="reduce-overhead" if options.compile else None,
