@@ -2,7 +2,7 @@
 
 mlm      masked LM (encoders); a base model gets an LM head whose decoder is tied to its embedding
 clm      causal LM (decoders)
-distill  match the dense teacher's last hidden states and mean-pooled sentence embedding
+distill  match the dense teacher's hidden states, layer by layer, and its mean-pooled sentence embedding
 auto     mlm for encoders, clm for decoders
 """
 
@@ -84,12 +84,28 @@ def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (hidden * mask).sum(1) / mask.sum(1).clamp_min(1)
 
 
-def distill_loss(student_hidden, teacher_hidden, mask) -> torch.Tensor:
-    """Hidden-state MSE (relative to the teacher's scale) + (1 - cosine) of pooled embeddings."""
-    weight = mask.unsqueeze(-1).to(student_hidden.dtype)
-    mse = ((student_hidden - teacher_hidden) ** 2 * weight).sum() / (teacher_hidden ** 2 * weight).sum()
-    cosine = F.cosine_similarity(mean_pool(student_hidden, mask), mean_pool(teacher_hidden, mask), dim=-1)
-    return mse + (1 - cosine).mean()
+def _relative_mse(student_hidden, teacher_hidden, weight) -> torch.Tensor:
+    """||student - teacher||^2 / ||teacher||^2 over the unmasked tokens."""
+    return ((student_hidden - teacher_hidden) ** 2 * weight).sum() / (teacher_hidden ** 2 * weight).sum()
+
+
+def distill_loss(student_states, teacher_states, mask) -> torch.Tensor:
+    """Relative MSE of the last hidden states + (1 - cosine) of the pooled embeddings + the mean
+    relative MSE of the layers in between, when both models have the same depth.
+
+    The states are the models' ``hidden_states`` (the embedding output, then one per layer). The
+    compressed student keeps the teacher's depth, so every layer gets its own target: on MiniLM at
+    --ratio 4 that reaches a held-out embedding cosine of 0.80 after 150 steps where the last layer
+    alone reaches 0.79, and 0.84 against 0.83 after 600 (BENCHMARKS.md, Quality).
+    """
+    weight = mask.unsqueeze(-1).to(student_states[-1].dtype)
+    loss = _relative_mse(student_states[-1], teacher_states[-1], weight)
+    cosine = F.cosine_similarity(mean_pool(student_states[-1], mask), mean_pool(teacher_states[-1], mask), dim=-1)
+    loss = loss + (1 - cosine).mean()
+    inner = list(zip(student_states[1:-1], teacher_states[1:-1]))
+    if inner and len(student_states) == len(teacher_states):
+        loss = loss + sum(_relative_mse(s, t, weight) for s, t in inner) / len(inner)
+    return loss
 
 
 def task_loss(objective: str, model, inputs: dict, teacher=None) -> torch.Tensor:
@@ -98,5 +114,5 @@ def task_loss(objective: str, model, inputs: dict, teacher=None) -> torch.Tensor
     batch = {k: v for k, v in inputs.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
     mask = batch.get("attention_mask", torch.ones_like(batch["input_ids"]))
     with torch.no_grad():
-        target = teacher(**batch).last_hidden_state
-    return distill_loss(model(**batch).last_hidden_state, target, mask)
+        target = teacher(**batch, output_hidden_states=True).hidden_states
+    return distill_loss(model(**batch, output_hidden_states=True).hidden_states, target, mask)
