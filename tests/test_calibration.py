@@ -131,6 +131,29 @@ def test_sensitivity_allocation_meets_the_ratio_and_says_how():
     assert count_params(model) <= count_params(dense) / 2
 
 
+def test_measured_allocation_meets_the_ratio_and_beats_the_shared_rank_on_its_probe():
+    from comera_convert.conversion.measured import module_kind, pooled_output
+
+    dense = build("bert")
+    stats = collect(dense, find_candidates(dense)[0], skewed_batches(), source="test")
+    assert stats.probe.shape == (32, 16)
+    reference = pooled_output(dense, stats.probe)
+    cosines = {}
+    for allocation in ("uniform", "measured"):
+        model = build("bert")
+        report = comera_convert.convert(model, ratio=2, calibration=stats, allocation=allocation)
+        assert report.ratio >= 2 and count_params(model) <= count_params(dense) / 2
+        cosines[allocation] = float(torch.nn.functional.cosine_similarity(
+            pooled_output(model.eval(), stats.probe), reference).mean())
+    assert report.extra["allocation"].startswith("measured") and report.shared_rank is None
+    scales = report.extra["rank_scales"]
+    assert set(scales) == {module_kind(m.name) for m in report.modules}
+    assert "encoder.layer.*.attention.self.query" in scales
+    assert report.extra["probe_cosine"] == pytest.approx(cosines["measured"], abs=1e-4)
+    assert cosines["measured"] >= cosines["uniform"]
+    print(f"probe cosine: uniform {cosines['uniform']:.4f}, measured {cosines['measured']:.4f}, scales {scales}")
+
+
 def test_error_estimate_falls_with_rank():
     matrix = torch.randn(64, 96, dtype=torch.float64)
     spec = TTSpec.plan(64, 96, 1 << 20, layout="tt", d=3)
@@ -150,6 +173,8 @@ def test_bad_calibration_input():
         convert_with(model, ConvertOptions(ratio=2, calibration="python-stdlib"))
     with pytest.raises(ConfigError, match="does not apply to a fixed --rank 8"):
         ConvertOptions(rank=8, calibration="python-stdlib", allocation="sensitivity")
+    with pytest.raises(ConfigError, match="allocation 'measured' needs calibration data"):
+        ConvertOptions(ratio=2, allocation="measured")
     with pytest.raises(ConfigError, match="allocation in"):
         ConvertOptions(ratio=2, allocation="greedy")
 

@@ -36,8 +36,9 @@ def _default_out(model: str, ratio, rank) -> str:
               help="Data-aware init: minimize each layer's error on this text's activations "
                    "(python-stdlib, a file, folder, JSONL or dataset).")
 @click.option("--calibration-sequences", type=int, default=None, help="Calibration sequences [default: 128].")
-@click.option("--allocation", type=click.Choice(["uniform", "sensitivity"]), default=None,
-              help="One shared rank, or per-layer ranks from calibration error estimates [default: uniform].")
+@click.option("--allocation", type=click.Choice(["uniform", "measured", "sensitivity"]), default=None,
+              help="One shared rank; per-kind rank scales searched on the calibration text (measured); "
+                   "or per-layer ranks from error estimates (sensitivity) [default: uniform].")
 @click.option("--recipe", type=click.Path(dir_okay=False), default=None,
               help="A YAML conversion recipe; options given here override it.")
 @click.option("--task", type=click.Choice(["base", "mlm", "clm", "seq-cls"]), default=None,

@@ -50,19 +50,23 @@ def spec_if_smaller(candidate: Candidate, rank, choice: LayoutChoice) -> TTSpec 
     return spec if choice.stored_params(spec) < candidate.dense_params else None
 
 
-def specs_at_rank(candidates, rank: int, choice: LayoutChoice) -> list[TTSpec | None]:
-    return [spec_if_smaller(c, rank, choice) for c in candidates]
+def specs_at_rank(candidates, rank: int, choice: LayoutChoice, scale=None) -> list[TTSpec | None]:
+    """Every candidate's spec at ``rank``, or at round(scale(candidate) * rank) when a scale is given."""
+    if scale is None:
+        return [spec_if_smaller(c, rank, choice) for c in candidates]
+    return [spec_if_smaller(c, max(1, round(scale(c) * rank)), choice) for c in candidates]
 
 
 def allocate_ranks(candidates: list[Candidate], total_params: int, ratio: float,
-                   choice: LayoutChoice) -> tuple[list[TTSpec | None], int]:
+                   choice: LayoutChoice, scale=None) -> tuple[list[TTSpec | None], int]:
     """Specs meeting ``ratio`` with the largest shared rank, and that rank. A layer that TT would
-    not make smaller at that rank gets None (it stays dense).
+    not make smaller at that rank gets None (it stays dense). ``scale(candidate)``, when given,
+    multiplies the shared rank per layer (``measured.py`` searches it).
 
     Raises RatioError, naming the largest reachable ratio, when even rank 1 is not enough.
     """
     def ratio_at(rank: int) -> float:
-        specs = specs_at_rank(candidates, rank, choice)
+        specs = specs_at_rank(candidates, rank, choice, scale)
         return total_params / model_params_with(candidates, specs, total_params, choice)
 
     best = ratio_at(1)
@@ -77,18 +81,19 @@ def allocate_ranks(candidates: list[Candidate], total_params: int, ratio: float,
             low = mid
         else:
             high = mid - 1
-    return _fill_towards(candidates, specs_at_rank(candidates, low, choice), low + 1, total_params,
-                         ratio, choice), low
+    return _fill_towards(candidates, specs_at_rank(candidates, low, choice, scale),
+                         specs_at_rank(candidates, low + 1, choice, scale), total_params, ratio, choice), low
 
 
-def _fill_towards(candidates, specs, next_rank: int, total_params: int, ratio: float,
+def _fill_towards(candidates, specs, next_specs, total_params: int, ratio: float,
                   choice: LayoutChoice) -> list[TTSpec]:
-    """Raise single layers to ``next_rank`` (largest first) while the model still meets the ratio,
-    so the achieved ratio lands as close above the target as one rank step allows."""
+    """Raise single layers to their ``next_specs`` (the next shared rank; largest first) while the
+    model still meets the ratio, so the achieved ratio lands as close above the target as one
+    rank step allows."""
     specs = list(specs)
     budget = total_params / ratio - model_params_with(candidates, specs, total_params, choice)
     for i in sorted(range(len(candidates)), key=lambda i: -candidates[i].dense_params):
-        grown = spec_if_smaller(candidates[i], next_rank, choice)
+        grown = next_specs[i]
         if grown is None or specs[i] is None:
             continue
         extra = choice.stored_params(grown) - choice.stored_params(specs[i])

@@ -27,6 +27,7 @@ logger = logging.getLogger("comera_convert")
 
 DEFAULT_SEQUENCES = 128  # a few hundred sequences is what activation-aware SVD methods use
 DEFAULT_SEQ_LEN = 128
+PROBE_SEQUENCES = 32  # enough for a stable mean cosine, few enough for one quick forward
 BATCH = 16
 # Token frequencies come from up to this many tokens of the calibration text: the whole built-in
 # corpus (3.6 M BERT tokens, about 8 s to tokenize on 2 cores). They cost no forward pass, and
@@ -49,6 +50,9 @@ class Calibration:
     tokens: int = 0
     source: str | None = None
     counted_tokens: int = 0  # text read for the input embedding's token frequencies
+    # A few of the calibration sequences, kept to measure converted models end to end
+    # (``allocation="measured"``).
+    probe: torch.Tensor | None = None
     # Input factors already computed (rank allocation and decomposition both need them).
     _factors: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -144,7 +148,8 @@ def collect(model: nn.Module, candidates: list[Candidate], batches: list[torch.T
         raise ConfigError(f"calibration data {source or ''} gave {sequences} sequences; at least "
                           f"{min_sequences} are needed (the widest converted layer must see at least as many "
                           f"tokens as it has inputs): give more calibration text")
-    stats = Calibration(sequences=sequences, tokens=sum(b.numel() for b in batches), source=source)
+    stats = Calibration(sequences=sequences, tokens=sum(b.numel() for b in batches), source=source,
+                        probe=torch.cat(batches)[:PROBE_SEQUENCES].cpu())
     shared: dict[tuple, tuple] = {}  # statistics per distinct input tensor (q, k, v share one)
     handles = [c.module.register_forward_pre_hook(partial(_record, stats, shared, c)) for c in candidates]
     device = next(model.parameters()).device

@@ -25,6 +25,7 @@ from .calibration import Calibration, correct_bias, weighted_decomposer
 from .options import ConvertOptions
 from .records import tie_head, untie_converted_heads
 from .report import ConversionReport, describe
+from .measured import allocate_measured
 from .sensitivity import allocate_by_sensitivity
 from .targets import find_candidates
 
@@ -49,7 +50,8 @@ def convert(model: nn.Module, ratio: float | None = 4.0, layout: str = "tt", tar
     progress: called as progress(module name, index, count) before each module is converted.
     calibration: ``calibrate(model, tokenizer, data)``: each layer's decomposition then minimizes
         its error on those inputs (activation-aware TT-SVD; token-frequency-weighted embeddings).
-    allocation: "uniform" (one shared maximum rank) or "sensitivity" (per-layer ranks from the
+    allocation: "uniform" (one shared maximum rank), "measured" (per-kind rank scales searched on
+        the calibration sequences end to end) or "sensitivity" (per-layer ranks from the
         calibration's error estimates).
     """
     options = ConvertOptions(ratio=None if rank is not None else ratio, rank=rank, layout=layout,
@@ -89,13 +91,48 @@ def convert_with(model: nn.Module, options: ConvertOptions, source: str | None =
         extra.update(allocation="sensitivity: per-layer ranks, greedy by estimated output error removed per "
                                 "parameter on the calibration inputs",
                      estimated_relative_error={k: round(v, 4) for k, v in estimated.items()})
+    elif options.allocation == "measured":
+        if calibration.probe is None:
+            raise ConfigError("allocation 'measured' needs probe sequences in the calibration: build it with "
+                              "calibrate() or collect()")
+        specs, scales, cosine = allocate_measured(
+            model, candidates, params_before, options.ratio, choice, calibration,
+            lambda clone, clone_candidates, trial: swap_in(clone, clone_candidates, trial, options, calibration))
+        shared_rank = None
+        extra.update(allocation="measured: per-kind rank scales searched end to end on the calibration "
+                                "sequences",
+                     rank_scales={kind: round(scale, 3) for kind, scale in scales.items()},
+                     probe_cosine=round(cosine, 4))
     else:
         specs, shared_rank = allocate_ranks(candidates, params_before, options.ratio, choice)
 
-    for index, (candidate, spec) in enumerate(zip(candidates, specs)):
+    for candidate, spec in zip(candidates, specs):
         if spec is None:
             skipped[candidate.name] = (f"TT at rank {shared_rank} would not be smaller" if shared_rank else
-                                       "kept dense by the sensitivity allocation")
+                                       f"kept dense by the {options.allocation} allocation")
+    swap_in(model, candidates, specs, options, calibration, progress)
+
+    converted = {c.name for c, s in zip(candidates, specs) if s is not None}
+    for head in tied:
+        if head.embedding_name not in converted:
+            skipped[head.name] = f"tied to the dense {head.embedding_name}"
+            continue
+        tie_head(model, head.name, {"embedding": head.embedding_name,
+                                    "bias": getattr(head.module, "bias", None) is not None})
+    untie_converted_heads(model)
+    mark_compressed(model, ComeraConfig(source=source, dense_params=params_before))
+    report = describe(model, skipped=skipped, target_ratio=options.ratio, shared_rank=shared_rank,
+                      seconds=time.perf_counter() - start, params_before=params_before)
+    report.extra.update(extra)
+    return report
+
+
+def swap_in(model: nn.Module, candidates, specs, options: ConvertOptions, calibration: Calibration | None = None,
+            progress: Callable[[str, int, int], None] | None = None) -> None:
+    """Replace each candidate that has a spec by its TT module, decomposed from its weights (by the
+    calibration's weighted decomposition when there is one); a None spec leaves it dense."""
+    for index, (candidate, spec) in enumerate(zip(candidates, specs)):
+        if spec is None:
             continue
         if progress is not None:
             progress(candidate.name, index, len(candidates))
@@ -113,20 +150,6 @@ def convert_with(model: nn.Module, options: ConvertOptions, source: str | None =
             if calibration is not None:
                 correct_bias(new, dense_weight_of(candidate.module)[0], candidate.name, calibration)
         model.set_submodule(candidate.name, new)
-
-    converted = {c.name for c, s in zip(candidates, specs) if s is not None}
-    for head in tied:
-        if head.embedding_name not in converted:
-            skipped[head.name] = f"tied to the dense {head.embedding_name}"
-            continue
-        tie_head(model, head.name, {"embedding": head.embedding_name,
-                                    "bias": getattr(head.module, "bias", None) is not None})
-    untie_converted_heads(model)
-    mark_compressed(model, ComeraConfig(source=source, dense_params=params_before))
-    report = describe(model, skipped=skipped, target_ratio=options.ratio, shared_rank=shared_rank,
-                      seconds=time.perf_counter() - start, params_before=params_before)
-    report.extra.update(extra)
-    return report
 
 
 def mark_compressed(model: nn.Module, quantization_config: ComeraConfig) -> None:

@@ -9,7 +9,7 @@ from ..errors import ConfigError, expected
 from ..option_files import from_mapping
 from ..tt.spec import LAYOUTS
 
-ALLOCATIONS = ("uniform", "sensitivity")
+ALLOCATIONS = ("uniform", "measured", "sensitivity")
 
 
 @dataclass
@@ -34,8 +34,9 @@ class ConvertOptions:
     calibration: str | None = None
     calibration_sequences: int = 128
     calibration_seq_len: int = 128
-    # How --ratio's budget is split: "uniform" (one shared maximum rank) or "sensitivity" (per
-    # layer, from the calibration data's error estimates; see conversion/sensitivity.py).
+    # How --ratio's budget is split: "uniform" (one shared maximum rank), "measured" (per-kind rank
+    # scales searched end to end on the calibration text; conversion/measured.py) or "sensitivity"
+    # (per layer, from the calibration data's error estimates; conversion/sensitivity.py).
     allocation: str = "uniform"
     version: int = 1
 
@@ -60,11 +61,11 @@ class ConvertOptions:
             raise ConfigError(expected("d (modes per side) in (2, 3, 4)", self.d))
         if self.allocation not in ALLOCATIONS:
             raise ConfigError(expected(f"allocation in {ALLOCATIONS}", self.allocation))
-        if self.allocation == "sensitivity" and self.calibration is None:
-            raise ConfigError("allocation 'sensitivity' needs calibration data (--calibration DATA)")
-        if self.allocation == "sensitivity" and self.rank is not None:
-            raise ConfigError("allocation 'sensitivity' splits a --ratio budget between layers; it does not "
-                              f"apply to a fixed --rank {self.rank}")
+        if self.allocation != "uniform" and self.calibration is None:
+            raise ConfigError(f"allocation {self.allocation!r} needs calibration data (--calibration DATA)")
+        if self.allocation != "uniform" and self.rank is not None:
+            raise ConfigError(f"allocation {self.allocation!r} splits a --ratio budget between layers; it does "
+                              f"not apply to a fixed --rank {self.rank}")
         for name in ("calibration_sequences", "calibration_seq_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
