@@ -141,7 +141,9 @@ def test_measured_allocation_meets_the_ratio_and_beats_the_shared_rank_on_its_pr
     cosines = {}
     for allocation in ("uniform", "measured"):
         model = build("bert")
-        report = comera_convert.convert(model, ratio=2, calibration=stats, allocation=allocation)
+        seen = []
+        report = comera_convert.convert(model, ratio=2, calibration=stats, allocation=allocation,
+                                        progress=lambda name, index, total: seen.append((name, total)))
         assert report.ratio >= 2 and count_params(model) <= count_params(dense) / 2
         cosines[allocation] = float(torch.nn.functional.cosine_similarity(
             pooled_output(model.eval(), stats.probe), reference).mean())
@@ -151,6 +153,8 @@ def test_measured_allocation_meets_the_ratio_and_beats_the_shared_rank_on_its_pr
     assert "encoder.layer.*.attention.self.query" in scales
     assert report.extra["probe_cosine"] == pytest.approx(cosines["measured"], abs=1e-4)
     assert cosines["measured"] >= cosines["uniform"]
+    trials = [name for name, total in seen if name.endswith("(rank search)")]
+    assert len(trials) == 1 + 2 * len(scales) and trials[1] == "embeddings.position_embeddings at 0.6x (rank search)"
     print(f"probe cosine: uniform {cosines['uniform']:.4f}, measured {cosines['measured']:.4f}, scales {scales}")
 
 

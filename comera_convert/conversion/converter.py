@@ -22,10 +22,10 @@ from ..layers import TTEmbedding, TTLinear, TTModule
 from ..layers.tt_linear import dense_weight_of
 from .allocate import LayoutChoice, allocate_ranks
 from .calibration import Calibration, correct_bias, weighted_decomposer
+from .measured import allocate_measured
 from .options import ConvertOptions
 from .records import tie_head, untie_converted_heads
 from .report import ConversionReport, describe
-from .measured import allocate_measured
 from .sensitivity import allocate_by_sensitivity
 from .targets import find_candidates
 
@@ -97,7 +97,8 @@ def convert_with(model: nn.Module, options: ConvertOptions, source: str | None =
                               "calibrate() or collect()")
         specs, scales, cosine = allocate_measured(
             model, candidates, params_before, options.ratio, choice, calibration,
-            lambda clone, clone_candidates, trial: swap_in(clone, clone_candidates, trial, options, calibration))
+            lambda clone, clone_candidates, trial: swap_in(clone, clone_candidates, trial, options, calibration),
+            progress)
         shared_rank = None
         extra.update(allocation="measured: per-kind rank scales searched end to end on the calibration "
                                 "sequences",

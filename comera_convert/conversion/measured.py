@@ -51,14 +51,24 @@ def pooled_output(model: nn.Module, probe: torch.Tensor) -> torch.Tensor:
 
 def allocate_measured(model: nn.Module, candidates: list[Candidate], total_params: int, ratio: float,
                       choice: LayoutChoice, calibration: Calibration,
-                      swap_in: Callable[[nn.Module, list[Candidate], list], None]):
+                      swap_in: Callable[[nn.Module, list[Candidate], list], None],
+                      progress: Callable[[str, int, int], None] | None = None):
     """(specs, scale per kind, probe cosine): the per-kind scales that the sweep found best.
 
     ``swap_in(model, candidates, specs)`` converts a model's candidates in place (the converter's
-    own loop), here applied to copies of the dense model."""
+    own loop), here applied to copies of the dense model. ``progress(label, trial, trials)`` is
+    called before each trial conversion."""
     reference = pooled_output(model, calibration.probe)
     kinds = sorted({module_kind(c.name) for c in candidates})
     scales = dict.fromkeys(kinds, 1.0)
+    trials = 1 + SWEEPS * len(kinds) * len(SCALE_STEPS)
+    done = 0
+
+    def announce(label: str) -> None:
+        nonlocal done
+        if progress is not None:
+            progress(f"{label} (rank search)", done, trials)
+        done += 1
 
     def specs_for(trial: dict[str, float]):
         return allocate_ranks(candidates, total_params, ratio, choice,
@@ -70,12 +80,14 @@ def allocate_measured(model: nn.Module, candidates: list[Candidate], total_param
                 specs_for(trial))
         return float(F.cosine_similarity(pooled_output(clone.eval(), calibration.probe), reference).mean())
 
+    announce("the shared rank")
     best = score(scales)
     for _ in range(SWEEPS):
         for kind in kinds:
             current = scales[kind]
             for step in SCALE_STEPS:
                 trial = {**scales, kind: current * step}
+                announce(f"{kind} at {trial[kind]:g}x")
                 got = score(trial)
                 if got > best + MIN_GAIN:
                     best, scales = got, trial
