@@ -7,7 +7,8 @@ round(s * r), r the largest that still meets the ratio (``allocate_ranks`` with 
 from s = 1 everywhere, one coordinate sweep tries each kind's scale times 0.6 and 1.4, converts a
 copy of the model with it, and keeps the change when the mean cosine between the converted and the
 dense model's mean-pooled last hidden states on the probe sequences (``Calibration.probe``) rises.
-That costs two conversions per kind (17 for a BERT encoder).
+That costs two conversions per kind (17 for a BERT encoder), each of a copy of the model: it
+needs memory for a second model, and is meant for models that convert in seconds.
 
 Measured on all-MiniLM-L6-v2 at ``--ratio 4`` (BENCHMARKS.md, Quality): the search lowers query,
 key, value and position-embedding ranks and raises the FFN output's; the held-out embedding cosine
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import re
 from typing import Callable
 
@@ -25,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import RatioError
 from .allocate import LayoutChoice, allocate_ranks
 from .calibration import Calibration
 from .targets import Candidate
@@ -45,7 +48,12 @@ def module_kind(name: str) -> str:
 def pooled_output(model: nn.Module, probe: torch.Tensor) -> torch.Tensor:
     """Mean-pooled last hidden states (one row per probe sequence) of any transformers model."""
     device = next(model.parameters()).device
-    hidden = model(input_ids=probe.to(device), output_hidden_states=True).hidden_states[-1]
+    was_training = model.training
+    model.eval()  # no dropout: the trials are compared with one fixed reference
+    try:
+        hidden = model(input_ids=probe.to(device), output_hidden_states=True).hidden_states[-1]
+    finally:
+        model.train(was_training)
     return hidden.float().mean(dim=1).cpu()
 
 
@@ -75,10 +83,13 @@ def allocate_measured(model: nn.Module, candidates: list[Candidate], total_param
                               scale=lambda c: trial[module_kind(c.name)])[0]
 
     def score(trial: dict[str, float]) -> float:
+        try:
+            specs = specs_for(trial)
+        except RatioError:
+            return -math.inf  # these scales cannot meet the ratio even at rank 1: not a candidate
         clone = copy.deepcopy(model)
-        swap_in(clone, [dataclasses.replace(c, module=clone.get_submodule(c.name)) for c in candidates],
-                specs_for(trial))
-        return float(F.cosine_similarity(pooled_output(clone.eval(), calibration.probe), reference).mean())
+        swap_in(clone, [dataclasses.replace(c, module=clone.get_submodule(c.name)) for c in candidates], specs)
+        return float(F.cosine_similarity(pooled_output(clone, calibration.probe), reference).mean())
 
     announce("the shared rank")
     best = score(scales)
