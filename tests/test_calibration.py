@@ -132,7 +132,7 @@ def test_sensitivity_allocation_meets_the_ratio_and_says_how():
 
 
 def test_measured_allocation_meets_the_ratio_and_beats_the_shared_rank_on_its_probe():
-    from comera_convert.conversion.measured import module_kind, pooled_output
+    from comera_convert.conversion.measured import pooled_output
 
     dense = build("bert")
     stats = collect(dense, find_candidates(dense)[0], skewed_batches(), source="test")
@@ -149,7 +149,7 @@ def test_measured_allocation_meets_the_ratio_and_beats_the_shared_rank_on_its_pr
             pooled_output(model.eval(), stats.probe), reference).mean())
     assert report.extra["allocation"].startswith("measured") and report.shared_rank is None
     scales = report.extra["rank_scales"]
-    assert set(scales) == {module_kind(m.name) for m in report.modules}
+    assert set(scales) == {m.block for m in report.modules}
     assert "encoder.layer.*.attention.self.query" in scales
     assert report.extra["probe_cosine"] == pytest.approx(cosines["measured"], abs=1e-4)
     assert cosines["measured"] >= cosines["uniform"]

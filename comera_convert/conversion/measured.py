@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import re
 from typing import Callable
 
 import torch
@@ -30,6 +29,7 @@ from torch import nn
 from ..errors import RatioError
 from .allocate import LayoutChoice, allocate_ranks
 from .calibration import Calibration
+from .report import fold_layer_numbers
 from .targets import Candidate
 
 # Each kind's scale is tried this much lower and higher, once per sweep.
@@ -37,11 +37,6 @@ SCALE_STEPS = (0.6, 1.4)
 SWEEPS = 1
 # A change must raise the probe cosine by more than this to be kept (not noise of rounding).
 MIN_GAIN = 1e-3
-
-
-def module_kind(name: str) -> str:
-    """The name with its layer indices replaced by ``*``: what layers of one kind share."""
-    return re.sub(r"\.\d+(?=\.|$)", ".*", name)
 
 
 @torch.no_grad()
@@ -67,7 +62,7 @@ def allocate_measured(model: nn.Module, candidates: list[Candidate], total_param
     own loop), here applied to copies of the dense model. ``progress(label, trial, trials)`` is
     called before each trial conversion."""
     reference = pooled_output(model, calibration.probe)
-    kinds = sorted({module_kind(c.name) for c in candidates})
+    kinds = sorted({fold_layer_numbers(c.name) for c in candidates})
     scales = dict.fromkeys(kinds, 1.0)
     trials = 1 + SWEEPS * len(kinds) * len(SCALE_STEPS)
     done = 0
@@ -80,7 +75,7 @@ def allocate_measured(model: nn.Module, candidates: list[Candidate], total_param
 
     def specs_for(trial: dict[str, float]):
         return allocate_ranks(candidates, total_params, ratio, choice,
-                              scale=lambda c: trial[module_kind(c.name)])[0]
+                              scale=lambda c: trial[fold_layer_numbers(c.name)])[0]
 
     def score(trial: dict[str, float]) -> float:
         try:

@@ -9,6 +9,12 @@ from dataclasses import asdict, dataclass, field
 REPORT_FILE = "comera_report.json"
 
 
+def fold_layer_numbers(name: str) -> str:
+    """The module name with layer numbers folded (encoder.layer.*.attention.self.query): what the
+    layers of one kind share."""
+    return ".".join("*" if part.isdigit() else part for part in name.split("."))
+
+
 @dataclass
 class ModuleRow:
     name: str
@@ -26,8 +32,7 @@ class ModuleRow:
 
     @property
     def block(self) -> str:
-        """The module name with layer numbers folded (encoder.layer.*.attention.self.query)."""
-        return ".".join("*" if part.isdigit() else part for part in self.name.split("."))
+        return fold_layer_numbers(self.name)
 
 
 @dataclass
