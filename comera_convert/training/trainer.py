@@ -88,10 +88,8 @@ class ComeraTrainer(Trainer):
     def create_optimizer(self, model=None):
         if self.optimizer is None:
             groups = parameter_groups(model or self.model, self.comera_options)
-            # On CUDA one fused kernel steps every parameter: a TT model has hundreds of small cores
-            # and gates, and a per-tensor (or even foreach) step is bound by kernel launches.
-            on_cuda = all(p.is_cuda for group in groups for p in group["params"])
-            self.optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.999), eps=1e-8, fused=on_cuda or None)
+            self.optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.999), eps=1e-8,
+                                               fused=fused_adamw_applies(groups) or None)
         return self.optimizer
 
     # -- loss -------------------------------------------------------------------------------------------
@@ -200,3 +198,16 @@ class RankCallback(TrainerCallback):
             logs["ratio"] = round(controller.ratio(), 3)
             logs["tt_size"] = controller.size()
             logs["stage"] = controller.state.stage
+
+
+# One fused kernel steps every parameter (torch >= 2.4 on CPU, and on CUDA): a TT model has hundreds
+# of small cores and gates, and a per-tensor step is bound by per-call overhead. Measured on 2 CPU
+# cores, AdamW over a bert-base-shaped TT model (940 tensors): 10 ms fused, 41 ms foreach, 64 ms
+# per tensor (dense bert-base, 202 tensors: 110 ms fused, 597 ms per tensor).
+FUSED_ADAMW_DEVICES = ("cpu", "cuda")
+
+
+def fused_adamw_applies(groups: list[dict]) -> bool:
+    """Whether torch's fused AdamW can step these parameter groups: all on one device of a kind it supports."""
+    devices = {p.device for group in groups for p in group["params"]}
+    return len(devices) == 1 and next(iter(devices)).type in FUSED_ADAMW_DEVICES
