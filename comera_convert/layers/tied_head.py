@@ -3,7 +3,8 @@
 Language-model heads (BERT's decoder, GPT-2's lm_head) share their weight with the input
 embedding. When the embedding becomes a TTEmbedding the head keeps sharing it: it holds no cores
 of its own. For the tt layout it runs the input through the embedding's two halves, transposed;
-for ttm it builds the embedding's table (cached in inference) and runs one GEMM.
+for ttm it runs the embedding's table slab by slab in training (``tt/tied_logits.py``) and builds
+it once, cached, in inference.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from torch import nn
 
 from ..errors import expected
 from ..tt.contract import embedding_halves, through_bond
+from ..tt.tied_logits import tied_logits
 from .tt_embedding import TTEmbedding
 
 
@@ -34,9 +36,12 @@ class TiedTTHead(nn.Module):
                 self.embedding.gated_cores(), spec, 0))
             # One logit per token id: the left half's rows in id order, without the padding rows.
             return through_bond(x, right.t(), self.embedding.in_token_order(left).t(), self.bias)
-        # ttm: build the (vocab x dim) table once and run one GEMM. The logits are tokens x vocab
-        # anyway; contracting core by core would hold a tokens x rows x rank x cols intermediate
-        # many times their size.
+        # ttm: the logits are tokens x vocab anyway, and contracting core by core would hold a
+        # tokens x rows x rank x cols intermediate many times their size. Training runs the table's
+        # rows slab by slab through GEMMs (never holding the table or its gradient); inference
+        # builds the table once and keeps it.
+        if torch.is_grad_enabled():
+            return tied_logits(x, self.embedding.gated_cores(), spec, self.bias, self.embedding.row_of_token)
         table = self.embedding.cached("table", self.embedding.dense_matrix)
         return torch.nn.functional.linear(x, table, self.bias)
 

@@ -1,0 +1,70 @@
+"""The tied head's slab-by-slab logits against a GEMM with the embedding's dense table."""
+
+import pytest
+import torch
+
+from comera_convert.layers import TiedTTHead, TTEmbedding
+from comera_convert.tt.tied_logits import tied_logits
+
+
+def leaves(embedding, *others):
+    return list(embedding.cores) + list(embedding.gates) + list(others)
+
+
+def rel_err(got, want):
+    return float((got - want).detach().norm() / want.detach().norm())
+
+
+def gradients(tensors):
+    grads = [t.grad.clone() for t in tensors]
+    for t in tensors:
+        t.grad = None
+    return grads
+
+
+@pytest.mark.parametrize("reordered", [False, True])
+@pytest.mark.parametrize("slab_rows", [1, 40, 10 ** 9])  # a slab per group, several, the whole table
+@pytest.mark.parametrize("tokens", [(2, 5), (4, 16)])  # fewer tokens than columns (slabs rebuilt), more (kept)
+def test_logits_and_every_gradient_match_the_dense_table(reordered, slab_rows, tokens):
+    torch.manual_seed(0)
+    # A prime vocabulary and a dimension that is no product of the column modes: rows and columns padded.
+    embedding = TTEmbedding(1009, 50, rank=6, reordered=reordered)
+    if reordered:
+        embedding.row_of_token.copy_(torch.randperm(1009).int())
+    spec = embedding.spec
+    assert spec.padded_rows > 1009 and spec.padded_cols > 50
+    bias = torch.randn(1009, requires_grad=True)
+    x = torch.randn(*tokens, 50, requires_grad=True)
+    upstream = torch.randn(*tokens, 1009)
+    tensors = leaves(embedding, x, bias)
+
+    expected = torch.nn.functional.linear(x, embedding.dense_matrix(), bias)
+    expected.backward(upstream)
+    expected_grads = gradients(tensors)
+    logits = tied_logits(x, embedding.gated_cores(), spec, bias, embedding.row_of_token, slab_rows=slab_rows)
+    logits.backward(upstream)
+
+    assert logits.shape == (*tokens, 1009)
+    assert rel_err(logits, expected) < 1e-5
+    errors = [rel_err(got, want) for got, want in zip(gradients(tensors), expected_grads)]
+    assert max(errors) < 1e-5, errors
+
+
+def test_the_tied_head_trains_through_slabs_and_infers_from_the_cached_table():
+    torch.manual_seed(0)
+    embedding = TTEmbedding(500, 24, rank=5)
+    head = TiedTTHead(embedding, bias=torch.nn.Parameter(torch.randn(500)))
+    x = torch.randn(3, 24)
+    training = head(x)
+    assert "TiedLogits" in type(training.grad_fn.next_functions[0][0]).__name__
+    assert "table" not in embedding.__dict__.get("_inference_cache", {})
+    with torch.no_grad():
+        inference = head(x)
+    assert "table" in embedding.__dict__["_inference_cache"]
+    assert rel_err(inference, training.detach()) < 1e-5
+
+
+def test_a_tt_layout_spec_is_refused():
+    embedding = TTEmbedding(100, 16, rank=4, layout="tt")
+    with pytest.raises(ValueError, match="expected a ttm-layout spec, got 'tt'"):
+        tied_logits(torch.randn(2, 16), embedding.gated_cores(), embedding.spec)
