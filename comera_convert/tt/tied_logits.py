@@ -60,11 +60,12 @@ class TiedLogits(torch.autograd.Function):
         logits = x.new_empty(x.shape[0], rows)
         # With at least as many tokens as columns the slabs together (the table) are no larger than
         # the logits, and backward reuses them; with fewer, backward rebuilds them instead.
-        ctx.kept = [] if x.shape[0] >= x.shape[1] else None
+        keep = x.shape[0] >= x.shape[1]
+        kept = []
         for start, count, lead in _slabs(a, b, rows, slab_rows):
             slab = _as_rows(_build(a[lead], b), count, x.shape[1])
-            if ctx.kept is not None:
-                ctx.kept.append(slab)
+            if keep:
+                kept.append(slab)
             out = logits[:, start:start + count]
             if fuse_bias:
                 torch.addmm(bias[start:start + count], x, slab.t(), out=out)
@@ -74,13 +75,13 @@ class TiedLogits(torch.autograd.Function):
             logits = logits.index_select(1, row_of_token)
             if bias is not None:
                 logits.add_(bias)
-        ctx.save_for_backward(x, a, b, row_of_token)
+        ctx.save_for_backward(x, a, b, row_of_token, *kept)
         ctx.slab_rows, ctx.rows, ctx.has_bias = slab_rows, rows, bias is not None
         return logits
 
     @staticmethod
     def backward(ctx, grad):
-        x, a, b, row_of_token = ctx.saved_tensors
+        x, a, b, row_of_token, *kept = ctx.saved_tensors
         grad = grad.contiguous()
         grad_bias = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
         if row_of_token is not None:  # back to TT-row order
@@ -91,17 +92,12 @@ class TiedLogits(torch.autograd.Function):
         grad_x = torch.zeros_like(x)
         grad_a = torch.zeros_like(a)
         grad_b = torch.zeros(r, r2 * c2, dtype=b.dtype, device=b.device)
-        kept, ctx.kept = ctx.kept, None
         for i, (start, count, lead) in enumerate(_slabs(a, b, ctx.rows, ctx.slab_rows)):
             a_part = a[lead]
             k = a_part.shape[0]
             grad_part = grad[:, start:start + count]
-            if kept is not None:
-                slab, kept[i] = kept[i], None  # each kept slab freed once used
-            else:
-                slab = _as_rows(_build(a_part, b), count, cols)
+            slab = kept[i] if kept else _as_rows(_build(a_part, b), count, cols)
             grad_x.addmm_(grad_part, slab)
-            del slab
             # The slabs' gradient g^T x, padded back to whole slabs, in P order for the two halves.
             grad_rows = x.new_zeros(k * r2, n1 * c2)
             torch.mm(grad_part.t(), x, out=grad_rows[:count, :cols])
