@@ -150,6 +150,32 @@ def test_adamw_is_fused_only_when_all_parameters_share_a_supported_device():
     assert not fused_adamw_applies([{"params": []}])
 
 
+class SeesModel(TrainerCallback):
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.model = model
+
+
+def test_dropout_option_sets_every_dropout_while_training_and_keeps_the_saved_config(tmp_path, tokenizer, corpus):
+    path = compressed(tmp_path, tokenizer)
+    seen = SeesModel()
+    options = TrainOptions(objective="mlm", data=str(corpus), **{**FAST, "steps": 2, "early_steps": 1}, dropout=0.0)
+    train(str(path), options, tmp_path / "out", callbacks=[seen])
+    dropouts = [m.p for m in seen.model.modules() if isinstance(m, nn.Dropout)]
+    assert dropouts and set(dropouts) == {0.0}
+    seen.model.train()
+    ids = torch.randint(5, 100, (2, 16))
+    with torch.no_grad():  # no dropout left: two training-mode passes agree exactly
+        assert torch.equal(seen.model(input_ids=ids).logits, seen.model(input_ids=ids).logits)
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert saved["hidden_dropout_prob"] == json.loads((path / "config.json").read_text())["hidden_dropout_prob"] > 0
+
+
+@pytest.mark.parametrize("bad", [1.0, -0.1, True])
+def test_a_dropout_outside_zero_to_one_is_refused(bad):
+    with pytest.raises(ConfigError, match=r"dropout in \[0, 1\)"):
+        TrainOptions(dropout=bad)
+
+
 def test_an_unknown_schedule_is_refused():
     with pytest.raises(ConfigError, match="lr_scheduler_type in .*'cosine'.*got 'step'"):
         TrainOptions(lr_scheduler_type="step")

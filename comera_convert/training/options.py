@@ -56,6 +56,9 @@ class TrainOptions:
     # Weight of the rank surrogate when size is the worse-off objective in the late stage.
     late_rank_weight: float = 1.0
     mlm_probability: float = 0.15
+    # Every dropout probability of the model while it trains (its nn.Dropout modules, which BERT's
+    # and GPT-2's attention also read); None keeps the model's own. The saved config keeps its own.
+    dropout: float | None = None
     teacher: str | None = None
     logging_steps: int = 10
     save_steps: int = 500
@@ -81,6 +84,9 @@ class TrainOptions:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ConfigError(expected(f"{name} as a non-negative number", value))
+        if self.dropout is not None and (isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float))
+                                         or not 0 <= self.dropout < 1):
+            raise ConfigError(expected("dropout in [0, 1)", self.dropout))
         if not 0 < self.target_fraction <= 1:
             raise ConfigError(expected("target_fraction in (0, 1]", self.target_fraction))
         if self.target_ratio is not None and (not isinstance(self.target_ratio, (int, float))

@@ -82,6 +82,13 @@ def held_out_loss(model, blocks, objective, collate, teacher, batch_size: int) -
     return sum(losses) / len(losses)
 
 
+def set_dropout(model: torch.nn.Module, p: float) -> None:
+    """Every nn.Dropout of the model drops with probability ``p`` (its config is left as it was)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = p
+
+
 def training_arguments(options: TrainOptions, output_dir: Path, **overrides):
     from transformers import TrainingArguments
 
@@ -123,6 +130,8 @@ def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, 
     objective = resolve_objective(options.objective, config)
     dense_params = quantization.get("dense_params")
     model = from_pretrained(path, task=task_for(objective))
+    if options.dropout is not None:
+        set_dropout(model, options.dropout)
     tokenizer = load_tokenizer(path, "comera train")
     teacher = _load_teacher(options, quantization, model) if objective == "distill" else None
     controller = RankController(model, options, dense_params or sum(p.numel() for p in model.parameters()))
