@@ -64,6 +64,30 @@ def test_the_tied_head_trains_through_slabs_and_infers_from_the_cached_table():
     assert rel_err(inference, training.detach()) < 1e-5
 
 
+def test_under_bf16_autocast_it_runs_as_the_dense_linear_would():
+    """Autocast runs F.linear in bf16; the slabs run in bf16 too, and gradients come back in fp32."""
+    torch.manual_seed(0)
+    embedding = TTEmbedding(1009, 50, rank=6)
+    bias = torch.randn(1009, requires_grad=True)
+    x = torch.randn(8, 50, requires_grad=True)
+    tensors = leaves(embedding, x, bias)
+    results = []
+    for run in ("dense", "slabs"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if run == "dense":
+                logits = torch.nn.functional.linear(x, embedding.dense_matrix(), bias)
+            else:
+                logits = tied_logits(x, embedding.gated_cores(), embedding.spec, bias, slab_rows=40)
+        logits.float().square().mean().backward()
+        results.append((logits, gradients(tensors)))
+    (dense, dense_grads), (slabs, slab_grads) = results
+    assert slabs.dtype == dense.dtype == torch.bfloat16
+    assert rel_err(slabs.float(), dense.float()) < 1e-2
+    assert all(g.dtype == torch.float32 for g in slab_grads)
+    errors = [rel_err(got, want) for got, want in zip(slab_grads, dense_grads)]
+    assert max(errors) < 5e-2, errors
+
+
 def test_a_tt_layout_spec_is_refused():
     embedding = TTEmbedding(100, 16, rank=4, layout="tt")
     with pytest.raises(ValueError, match="expected a ttm-layout spec, got 'tt'"):

@@ -56,6 +56,13 @@ class TiedLogits(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, a, b, bias, row_of_token, rows: int, slab_rows: int):
+        # The inputs arrive in one dtype (``tied_logits`` casts them); autocast would recast some
+        # operands of the GEMMs that write into ``out=`` buffers and not others.
+        with torch.autocast(x.device.type, enabled=False):
+            return TiedLogits._forward(ctx, x, a, b, bias, row_of_token, rows, slab_rows)
+
+    @staticmethod
+    def _forward(ctx, x, a, b, bias, row_of_token, rows: int, slab_rows: int):
         fuse_bias = bias is not None and row_of_token is None
         logits = x.new_empty(x.shape[0], rows)
         # With at least as many tokens as columns the slabs together (the table) are no larger than
@@ -81,6 +88,11 @@ class TiedLogits(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        with torch.autocast(grad.device.type, enabled=False):
+            return TiedLogits._backward(ctx, grad.to(ctx.saved_tensors[0].dtype))
+
+    @staticmethod
+    def _backward(ctx, grad):
         x, a, b, row_of_token, *kept = ctx.saved_tensors
         grad = grad.contiguous()
         grad_bias = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
@@ -119,6 +131,11 @@ def tied_logits(x: torch.Tensor, cores: list[torch.Tensor], spec: TTSpec, bias: 
     if slab_rows is None:
         slab_rows = CPU_SLAB_ROWS if x.device.type == "cpu" else spec.padded_rows
     a, b = ttm_halves(cores, 1)
-    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    flat = x.reshape(-1, x.shape[-1])
+    # One compute dtype for every operand: autocast's where it is on (as F.linear would run), else x's.
+    device = flat.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else flat.dtype
+    flat, a, b = flat.to(dtype).contiguous(), a.to(dtype), b.to(dtype)
+    bias = None if bias is None else bias.to(dtype)
     logits = TiedLogits.apply(flat, a, b, bias, row_of_token, spec.rows, slab_rows)
     return logits.reshape(*x.shape[:-1], logits.shape[-1])
