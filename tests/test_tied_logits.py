@@ -25,17 +25,20 @@ def gradients(tensors):
 @pytest.mark.parametrize("reordered", [False, True])
 @pytest.mark.parametrize("slab_rows", [1, 40, 10 ** 9])  # a slab per group, several, the whole table
 @pytest.mark.parametrize("tokens", [(2, 5), (4, 16)])  # fewer tokens than columns (slabs rebuilt), more (kept)
-def test_logits_and_every_gradient_match_the_dense_table(reordered, slab_rows, tokens):
+# A prime vocabulary and a dimension that is no product of the column modes (rows and columns
+# padded), and sizes that factor exactly (no padding anywhere).
+@pytest.mark.parametrize("vocab,dim,padded", [(1009, 50, True), (1000, 48, False)])
+def test_logits_and_every_gradient_match_the_dense_table(reordered, slab_rows, tokens, vocab, dim, padded):
     torch.manual_seed(0)
-    # A prime vocabulary and a dimension that is no product of the column modes: rows and columns padded.
-    embedding = TTEmbedding(1009, 50, rank=6, reordered=reordered)
+    embedding = TTEmbedding(vocab, dim, rank=6, reordered=reordered)
     if reordered:
-        embedding.row_of_token.copy_(torch.randperm(1009).int())
+        embedding.row_of_token.copy_(torch.randperm(vocab).int())
     spec = embedding.spec
-    assert spec.padded_rows > 1009 and spec.padded_cols > 50
-    bias = torch.randn(1009, requires_grad=True)
-    x = torch.randn(*tokens, 50, requires_grad=True)
-    upstream = torch.randn(*tokens, 1009)
+    assert (spec.padded_rows > vocab and spec.padded_cols > dim) == padded
+    assert padded or (spec.padded_rows, spec.padded_cols) == (vocab, dim)
+    bias = torch.randn(vocab, requires_grad=True)
+    x = torch.randn(*tokens, dim, requires_grad=True)
+    upstream = torch.randn(*tokens, vocab)
     tensors = leaves(embedding, x, bias)
 
     expected = torch.nn.functional.linear(x, embedding.dense_matrix(), bias)
@@ -44,7 +47,7 @@ def test_logits_and_every_gradient_match_the_dense_table(reordered, slab_rows, t
     logits = tied_logits(x, embedding.gated_cores(), spec, bias, embedding.row_of_token, slab_rows=slab_rows)
     logits.backward(upstream)
 
-    assert logits.shape == (*tokens, 1009)
+    assert logits.shape == (*tokens, vocab)
     assert rel_err(logits, expected) < 1e-5
     errors = [rel_err(got, want) for got, want in zip(gradients(tensors), expected_grads)]
     assert max(errors) < 1e-5, errors

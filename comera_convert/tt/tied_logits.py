@@ -88,12 +88,12 @@ class TiedLogits(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        x, a, b, row_of_token, *kept = ctx.saved_tensors
         with torch.autocast(grad.device.type, enabled=False):
-            return TiedLogits._backward(ctx, grad.to(ctx.saved_tensors[0].dtype))
+            return TiedLogits._backward(ctx, grad.to(x.dtype), x, a, b, row_of_token, kept)
 
     @staticmethod
-    def _backward(ctx, grad):
-        x, a, b, row_of_token, *kept = ctx.saved_tensors
+    def _backward(ctx, grad, x, a, b, row_of_token, kept):
         grad = grad.contiguous()
         grad_bias = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
         if row_of_token is not None:  # back to TT-row order
@@ -110,8 +110,10 @@ class TiedLogits(torch.autograd.Function):
             grad_part = grad[:, start:start + count]
             slab = kept[i] if kept else _as_rows(_build(a_part, b), count, cols)
             grad_x.addmm_(grad_part, slab)
-            # The slabs' gradient g^T x, padded back to whole slabs, in P order for the two halves.
-            grad_rows = x.new_zeros(k * r2, n1 * c2)
+            # The slabs' gradient g^T x, padded back to whole slabs, in P order for the two halves
+            # (zeroed first only where padding rows or columns stay unwritten).
+            padded = count < k * r2 or cols < n1 * c2
+            grad_rows = x.new_zeros(k * r2, n1 * c2) if padded else x.new_empty(k * r2, n1 * c2)
             torch.mm(grad_part.t(), x, out=grad_rows[:count, :cols])
             grad_p = grad_rows.view(k, r2, n1, c2).permute(0, 2, 1, 3).reshape(k * n1, r2 * c2)
             grad_a[lead] = (grad_p @ b.reshape(r, r2 * c2).t()).reshape(k, n1, r)
