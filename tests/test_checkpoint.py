@@ -61,6 +61,23 @@ def test_tied_head_is_tied_after_loading(tmp_path):
     assert loaded.lm_head.embedding is loaded.transformer.wte
 
 
+@pytest.mark.parametrize("case", ["bert-mlm", "gpt2-clm"])
+def test_loading_a_tied_head_never_builds_the_embedding_table(case, tmp_path, monkeypatch):
+    model, path = converted(case, tmp_path)
+    tables = []
+    original = comera_convert.TTEmbedding.dense_matrix
+    monkeypatch.setattr(comera_convert.TTEmbedding, "dense_matrix",
+                        lambda self: tables.append(1) or original(self))
+    loaded = comera_convert.from_pretrained(path)
+    assert tables == []  # transformers' tying reads head.weight.shape; that would build the table
+    head = loaded.get_output_embeddings()
+    assert isinstance(head, TiedTTHead)
+    if head.bias is not None:  # BERT's decoder bias, tied to cls.predictions.bias, spans the vocabulary
+        assert head.bias.shape == (head.out_features,) and head.bias is loaded.cls.predictions.bias
+    monkeypatch.setattr(comera_convert.TTEmbedding, "dense_matrix", original)
+    assert torch.equal(outputs(loaded.eval()), outputs(model))
+
+
 def test_checkpoint_layout(tmp_path):
     model, path = converted("bert-mlm", tmp_path)
     names = {p.name for p in path.iterdir()}
