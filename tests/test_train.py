@@ -1,4 +1,5 @@
 import json
+import math
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from comera_convert.conversion import count_params
 from comera_convert.errors import ComeraError, ConfigError
 from comera_convert.training import TrainOptions, train
 from comera_convert.training.rank_control import RankController
+from comera_convert.training.run import set_dropout
 from comera_convert.training.trainer import fused_adamw_applies
 
 
@@ -168,6 +170,57 @@ def test_dropout_option_sets_every_dropout_while_training_and_keeps_the_saved_co
         assert torch.equal(seen.model(input_ids=ids).logits, seen.model(input_ids=ids).logits)
     saved = json.loads((tmp_path / "out" / "config.json").read_text())
     assert saved["hidden_dropout_prob"] == json.loads((path / "config.json").read_text())["hidden_dropout_prob"] > 0
+
+
+def test_gradient_checkpointing_recomputes_the_layers_and_gives_the_same_gradients():
+    from transformers import BertConfig, BertForMaskedLM
+
+    from comera_convert.layers import TTLinear
+
+    torch.manual_seed(0)
+    model = BertForMaskedLM(BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                       intermediate_size=128, vocab_size=512, max_position_embeddings=64))
+    comera_convert.convert(model, rank=8)  # every linear and the embedding (tied head) in TT
+    model.train()
+    set_dropout(model, 0.0)
+    layer = next(m for m in model.modules() if isinstance(m, TTLinear))
+    calls = []
+    layer.register_forward_hook(lambda *args: calls.append(1))
+    ids = torch.randint(5, 100, (2, 16))
+
+    def gradients():
+        model.zero_grad(set_to_none=True)
+        calls.clear()
+        model(input_ids=ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, len(calls)
+
+    plain, plain_calls = gradients()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpointed, checkpointed_calls = gradients()
+    assert (plain_calls, checkpointed_calls) == (1, 2)  # the layer ran again in backward
+    assert plain.keys() == checkpointed.keys() and any(".cores." in n for n in plain)
+    for name, grad in plain.items():
+        torch.testing.assert_close(checkpointed[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_gradient_checkpointing_option_reaches_the_trained_model(tmp_path, tokenizer, corpus):
+    path = compressed(tmp_path, tokenizer)
+    seen = SeesModel()
+    options = TrainOptions(objective="mlm", data=str(corpus), **{**FAST, "steps": 2, "early_steps": 1},
+                           gradient_checkpointing=True)
+    result = train(str(path), options, tmp_path / "out", callbacks=[seen])
+    assert seen.model.is_gradient_checkpointing
+    assert result.steps == 2 and math.isfinite(result.held_out_after)
+
+
+def test_gradient_checkpointing_on_a_model_without_it_is_refused(tmp_path, tokenizer, corpus, monkeypatch):
+    from transformers import BertForMaskedLM
+
+    path = compressed(tmp_path, tokenizer)
+    monkeypatch.setattr(BertForMaskedLM, "supports_gradient_checkpointing", False)
+    options = TrainOptions(objective="mlm", data=str(corpus), **FAST, gradient_checkpointing=True)
+    with pytest.raises(ConfigError, match="BertForMaskedLM does not support activation checkpointing"):
+        train(str(path), options, tmp_path / "out")
 
 
 @pytest.mark.parametrize("bad", [1.0, -0.1, True])

@@ -50,8 +50,8 @@ def _rich_progress_callback(total_steps: int, tokens_per_step: int):
 
 OPTION_NAMES = ["objective", "data", "steps", "seq_len", "batch_size", "gradient_accumulation_steps",
                 "lr_cores", "lr_gates", "lr_rest", "beta", "tau", "early_steps", "target_ratio", "teacher",
-                "logging_steps", "save_steps", "seed", "warmup_steps", "lr_scheduler_type", "dropout", "bf16",
-                "compile"]
+                "logging_steps", "save_steps", "seed", "warmup_steps", "lr_scheduler_type", "dropout",
+                "gradient_checkpointing", "bf16", "compile"]
 
 
 @main.command()
@@ -79,6 +79,8 @@ OPTION_NAMES = ["objective", "data", "steps", "seq_len", "batch_size", "gradient
               help="Learning rates after the warm-up: held (CoMERA) or decayed to 0 [default: constant].")
 @click.option("--dropout", type=float, default=None,
               help="Every dropout probability while training, e.g. 0 to distill [default: the model's].")
+@click.option("--gradient-checkpointing", is_flag=True, default=None,
+              help="Recompute each layer's activations in backward: less memory, more compute.")
 @click.option("--seed", type=int, default=None)
 @click.option("--bf16/--no-bf16", default=None, help="bf16 autocast [default: on with CUDA].")
 @click.option("--compile", is_flag=True, default=None, help="torch.compile with CUDA graphs (fixed shapes).")

@@ -103,6 +103,9 @@ def training_arguments(options: TrainOptions, output_dir: Path, **overrides):
         dataloader_drop_last=True,  # fixed shapes: CUDA graphs and torch.compile need them
         torch_compile=options.compile, torch_compile_mode="reduce-overhead" if options.compile else None,
         disable_tqdm=True, save_total_limit=2,
+        gradient_checkpointing=options.gradient_checkpointing,
+        # Non-reentrant: recomputation that also works when the inputs need no gradient.
+        gradient_checkpointing_kwargs={"use_reentrant": False} if options.gradient_checkpointing else None,
         # Under torchrun on CPU, DDP runs over gloo (NCCL needs GPUs).
         ddp_backend="gloo" if not cuda and int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
     )
@@ -130,6 +133,9 @@ def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, 
     objective = resolve_objective(options.objective, config)
     dense_params = quantization.get("dense_params")
     model = from_pretrained(path, task=task_for(objective))
+    if options.gradient_checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
+        raise ConfigError(f"--gradient-checkpointing: {type(model).__name__} does not support activation "
+                          "checkpointing in transformers; train without it")
     if options.dropout is not None:
         set_dropout(model, options.dropout)
     tokenizer = load_tokenizer(path, "comera train")
