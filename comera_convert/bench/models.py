@@ -21,6 +21,19 @@ TRAIN_VARIANTS = ("dense AdamW", "GaLore AdamW r128", "TT comera r30", "TT --rat
 # On CUDA the whole step (forward, backward, AdamW) is also captured once and replayed as one CUDA graph.
 GRAPH_SUFFIX = " + CUDA graph"
 GRAPHED_VARIANTS = ("dense AdamW", "TT comera r30")
+# Activation checkpointing (transformers' gradient checkpointing, per layer): each layer's
+# activations are recomputed in backward instead of kept, trading time for memory. Measured for
+# the baselines too, so that each is compared with its own kind.
+CHECKPOINT_SUFFIX = " + checkpointing"
+CHECKPOINTED_VARIANTS = ("dense AdamW", "GaLore AdamW r128", "TT comera r30")
+
+
+def split_variant(variant: str) -> tuple[str, str]:
+    """(base variant, suffix): "TT comera r30 + checkpointing" -> ("TT comera r30", " + checkpointing")."""
+    for suffix in (GRAPH_SUFFIX, CHECKPOINT_SUFFIX):
+        if variant.endswith(suffix):
+            return variant.removesuffix(suffix), suffix
+    return variant, ""
 
 
 def bert_config(quick: bool):
@@ -101,10 +114,12 @@ def train_step_child(variant: str, path: str, batch: int, seq: int, device: str,
     """One variant in a fresh process: its peak memory above the post-import baseline covers the
     weights, gradients, optimizer state and activations of training."""
     dtype = getattr(torch, dtype_name)
-    with_graph = variant.endswith(GRAPH_SUFFIX)
-    variant = variant.removesuffix(GRAPH_SUFFIX)
+    variant, suffix = split_variant(variant)
+    with_graph = suffix == GRAPH_SUFFIX
     with PeakMemory(device) as peak:
         model, optimizer = load_variant(variant, path, device, dtype, capturable=with_graph)
+        if suffix == CHECKPOINT_SUFFIX:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
 
         def step():
@@ -114,7 +129,7 @@ def train_step_child(variant: str, path: str, batch: int, seq: int, device: str,
 
         seconds = median_seconds(graphed(step) if with_graph else step, repeats, warmup=1, device=device)
     params = sum(p.numel() for p in model.parameters())
-    return {"variant": variant, "seconds": seconds, "peak_bytes": peak.bytes, "params": params}
+    return {"variant": variant + suffix, "seconds": seconds, "peak_bytes": peak.bytes, "params": params}
 
 
 def train_step_case(device: str, dtype, quick: bool, repeats: int) -> list[dict]:
@@ -124,18 +139,23 @@ def train_step_case(device: str, dtype, quick: bool, repeats: int) -> list[dict]
     with tempfile.TemporaryDirectory() as tmp:
         paths = save_variants(Path(tmp), quick)
         for batch in batches:
-            results = {v: _run_child(v, paths[v], batch, seq, device, dtype, repeats) for v in TRAIN_VARIANTS}
+            variants = list(TRAIN_VARIANTS) + [v + CHECKPOINT_SUFFIX for v in CHECKPOINTED_VARIANTS]
             if device == "cuda":
-                results.update({v + GRAPH_SUFFIX: _run_child(v + GRAPH_SUFFIX, paths[v], batch, seq, device, dtype,
-                                                             repeats) for v in GRAPHED_VARIANTS})
+                variants += [v + GRAPH_SUFFIX for v in GRAPHED_VARIANTS]
+            results = {v: _run_child(v, paths[split_variant(v)[0]], batch, seq, device, dtype, repeats)
+                       for v in variants}
             rows.extend(_train_rows(results, batch, seq, device, dtype))
     return rows
 
 
 def _train_rows(results: dict, batch: int, seq: int, device: str, dtype) -> list[dict]:
-    dense, galore = results["dense AdamW"], results.get("GaLore AdamW r128")
+    """Each variant against dense and GaLore run the same way (checkpointed with checkpointed, graphed
+    with graphed), falling back to the plain baselines."""
     rows = []
     for variant, result in results.items():
+        suffix = split_variant(variant)[1]
+        dense = results.get("dense AdamW" + suffix, results["dense AdamW"])
+        galore = results.get("GaLore AdamW r128" + suffix, results.get("GaLore AdamW r128"))
         row = {"case": "train-step", "method": variant, "device": device, "dtype": str(dtype).replace("torch.", ""),
                "shape": f"batch {batch} x seq {seq}", "params": result.get("params")}
         if "error" in result or "error" in dense:
