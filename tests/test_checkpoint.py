@@ -108,6 +108,24 @@ def test_pruned_ranks_are_saved_smaller(tmp_path):
     assert torch.equal(outputs(loaded), expected)
 
 
+def test_a_pruned_bond_larger_than_its_neighbours_allow_round_trips(tmp_path):
+    # Closing all but one index of bond k+1 leaves bond k larger than s_{k+1} r_{k+1}, the most a
+    # freshly planned spec would give it: the records must keep the size the cores have.
+    model = build("bert-mlm")
+    comera_convert.convert(model, rank=16, embedding_layout="tt")
+    layer = model.bert.embeddings.word_embeddings
+    k = next(k for k in range(len(layer.gates) - 1) if layer.bond_dims[k] > layer.spec.bond_modes[k + 1])
+    with torch.no_grad():
+        layer.gates[k + 1][1:] = 0
+    layer.prune_ranks()
+    assert layer.bond_dims[k] > layer.spec.bond_modes[k + 1] * layer.bond_dims[k + 1]
+    expected = outputs(model)
+    model.save_pretrained(tmp_path / "pruned")
+    loaded = comera_convert.from_pretrained(tmp_path / "pruned")
+    assert loaded.bert.embeddings.word_embeddings.bond_dims == layer.bond_dims
+    assert torch.equal(outputs(loaded), expected)
+
+
 def test_decompress_gives_an_ordinary_dense_checkpoint(tmp_path):
     model, path = converted("gpt2-clm", tmp_path)
     dense = comera_convert.decompress(comera_convert.from_pretrained(path))

@@ -60,9 +60,12 @@ def module_from_record(record: dict, name: str, dtype=None, device=None) -> nn.M
         layer = TTLinear(spec.rows, spec.cols, bias=record.get("bias", True), in_modes=spec.row_modes,
                          out_modes=spec.col_modes, **common)
         layer.dense_class = record.get("dense_class", "Linear")
-        return layer
-    return TTEmbedding(spec.rows, spec.cols, record.get("padding_idx"), row_modes=spec.row_modes,
-                       col_modes=spec.col_modes, reordered=record.get("reordered", False), **common)
+    else:
+        layer = TTEmbedding(spec.rows, spec.cols, record.get("padding_idx"), row_modes=spec.row_modes,
+                            col_modes=spec.col_modes, reordered=record.get("reordered", False), **common)
+    if layer.spec != spec:  # a pruned bond larger than a planned (clipped) one would be: its saved size
+        layer.resize_bonds_(spec.ranks)
+    return layer
 
 
 def format_version(records: dict[str, dict]) -> int:

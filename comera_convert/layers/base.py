@@ -182,6 +182,12 @@ class TTModule(nn.Module):
         for gate, small, idx in zip(self.gates, gates, kept):
             gate.copy_(_expand_axis(small.to(gate), idx, gate.shape[0], 0))
 
+    def resize_bonds_(self, ranks) -> None:
+        """New, uninitialized cores (and open gates) with these bond sizes, exactly as given: for
+        loading a checkpoint whose pruned bonds a planned spec would clip."""
+        core = self.cores[0]
+        self._init_factors(self._shape.with_ranks(ranks), self.gated, device=core.device, dtype=core.dtype)
+
     def _replace_factors(self, cores: list[torch.Tensor], gates: list[torch.Tensor]) -> None:
         requires_grad = self.cores[0].requires_grad
         self.cores = nn.ParameterList(nn.Parameter(c, requires_grad=requires_grad) for c in cores)

@@ -67,9 +67,11 @@ class TTSpec:
         return cls(layout, rows, cols, row_modes, col_modes, ranks)
 
     def with_ranks(self, ranks) -> "TTSpec":
-        """The same shape with other ranks (clipped to what the shape allows)."""
-        ranks = clip_ranks(_as_rank_tuple(ranks, self.num_cores - 1), self.bond_modes)
-        return TTSpec(self.layout, self.rows, self.cols, self.row_modes, self.col_modes, ranks)
+        """The same shape with these bond sizes, as cores hold them: not clipped. Pruning can
+        leave a bond larger than its neighbours allow (r_k > s_{k+1} r_{k+1} once bond k+1 lost
+        indices); such a bond holds redundant entries, but its cores and records have that size."""
+        return TTSpec(self.layout, self.rows, self.cols, self.row_modes, self.col_modes,
+                      _as_rank_tuple(ranks, self.num_cores - 1))
 
     # -- derived shape facts ------------------------------------------------------------------
     @property
