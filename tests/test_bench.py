@@ -39,8 +39,10 @@ def test_layer_rows_carry_the_flop_model(quick_rows):
 
 def test_train_step_compares_against_dense_and_galore(quick_rows):
     rows = {r["method"]: r for r in quick_rows["rows"] if r["case"] == "train-step" and "batch 1" in r["shape"]}
-    checkpointed = {"dense AdamW + checkpointing", "GaLore AdamW r128 + checkpointing", "TT comera r30 + checkpointing"}
-    assert set(rows) == {"dense AdamW", "GaLore AdamW r128", "TT comera r30", "TT --ratio 4"} | checkpointed
+    plain = {"dense AdamW", "GaLore AdamW r128", "TT comera r30", "TT r30, tt embedding", "TT --ratio 4"}
+    checkpointed = {"dense AdamW + checkpointing", "GaLore AdamW r128 + checkpointing", "TT comera r30 + checkpointing",
+                    "TT r30, tt embedding + checkpointing"}
+    assert set(rows) == plain | checkpointed
     assert rows["dense AdamW"]["speed_vs_dense"] == 1.0
     # Checkpointed variants are compared with the checkpointed baselines: each baseline with itself.
     dense, galore = rows["dense AdamW + checkpointing"], rows["GaLore AdamW r128 + checkpointing"]

@@ -49,6 +49,24 @@ def test_tied_head_follows_its_embedding_without_copying_it(case):
                    batch @ new_head.embedding.dense_matrix().T) < 1e-5
 
 
+@pytest.mark.parametrize("case", ["bert-mlm", "gpt2-clm"])
+def test_by_default_a_tied_head_trains_through_the_halves_never_the_table(case, monkeypatch):
+    # Embeddings default to the tt layout, whose tied head contracts x R^T L^T; building the table
+    # (or running the ttm head's slabs) would cost the dense head's GEMM again.
+    model = build(case)
+    comera_convert.convert(model, ratio=3)
+    assert model.get_input_embeddings().layout == "tt"
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the head built the embedding table")
+
+    monkeypatch.setattr(TTEmbedding, "dense_matrix", refuse)
+    monkeypatch.setattr("comera_convert.layers.tied_head.tied_logits", refuse)
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    model.train()(input_ids=ids, labels=ids).loss.backward()
+    assert all(core.grad is not None for core in model.get_input_embeddings().cores)
+
+
 def test_tied_head_stays_dense_when_its_embedding_is_excluded():
     model = build("gpt2-clm")
     report = comera_convert.convert(model, ratio=1.5, exclude=["wte"])

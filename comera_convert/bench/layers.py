@@ -93,7 +93,8 @@ def embedding_case(device: str, dtype: torch.dtype, quick: bool, repeats: int) -
     batch = 4 if quick else 32
     ids = torch.randint(0, vocab, (batch, 128), device=device)
     dense = nn.Embedding(vocab, dim, device=device, dtype=dtype)
-    tt = TTEmbedding.from_embedding(dense, rank=COMERA_RANK)
+    tt = TTEmbedding.from_embedding(dense, rank=COMERA_RANK)  # ttm, as CoMERA
+    tt_layout = TTEmbedding.from_embedding(dense, rank=COMERA_RANK, layout="tt")  # the converter's default
 
     def naive():  # one chain contraction per token, no sharing: the baseline TT lookup
         cores = tt.gated_cores()
@@ -109,15 +110,16 @@ def embedding_case(device: str, dtype: torch.dtype, quick: bool, repeats: int) -
         return row.reshape(*ids.shape, -1)[..., :dim]
 
     rows = []
-    for method, fn, params in (("nn.Embedding", lambda: dense(ids), vocab * dim),
-                               ("TTEmbedding (shared halves)", lambda: tt(ids), num_params(tt.spec)),
-                               ("TT per-row chain (naive)", naive, num_params(tt.spec))):
+    for method, layer, fn in (("nn.Embedding", None, lambda: dense(ids)),
+                              ("TTEmbedding ttm (shared halves)", tt, lambda: tt(ids)),
+                              ("TTEmbedding tt (shared halves)", tt_layout, lambda: tt_layout(ids)),
+                              ("TT ttm per-row chain (naive)", tt, naive)):
         with torch.no_grad():
             seconds = median_seconds(fn, repeats, device=device)
             with PeakMemory(device) as peak:
                 fn()
         rows.append({"case": "embedding", "method": method, "device": device,
                      "dtype": str(dtype).replace("torch.", ""), "shape": f"{vocab}x{dim}",
-                     "tokens": ids.numel(), "ranks": list(tt.spec.ranks) if "TT" in method else [],
-                     "params": params, "ms": round(seconds * 1e3, 3), "peak_mb": round(peak.bytes / 2 ** 20, 2)})
+                     "tokens": ids.numel(), "ranks": list(layer.spec.ranks) if layer else [],
+                     "params": num_params(layer.spec) if layer else vocab * dim, "ms": round(seconds * 1e3, 3), "peak_mb": round(peak.bytes / 2 ** 20, 2)})
     return rows

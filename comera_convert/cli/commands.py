@@ -27,7 +27,7 @@ def _default_out(model: str, ratio, rank) -> str:
 @click.option("--rank", type=int, default=None, help="A fixed max rank for every layer instead of --ratio.")
 @click.option("--layout", default=None, help="Layout of linear layers: tt (CoMERA) or ttm [default: tt].")
 @click.option("--embedding-layout", default=None,
-              help="Layout of embeddings [default: ttm; tt with --calibration].")
+              help="Layout of embeddings: tt or ttm (CoMERA) [default: tt].")
 @click.option("--modes", "d", type=int, default=None, help="Tensor modes per side, 2 to 4 [default: 3].")
 @click.option("--targets", default=None, help="Comma-separated module-name patterns to convert.")
 @click.option("--exclude", default=None, help="Comma-separated module-name patterns to keep dense.")

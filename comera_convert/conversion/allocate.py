@@ -24,7 +24,7 @@ class LayoutChoice:
     """How layers are laid out: the tt/ttm layout of linears and embeddings, and modes per side."""
 
     linear: str = "tt"
-    embedding: str = "ttm"
+    embedding: str = "tt"
     d: int = 3
     gates: bool = True
 

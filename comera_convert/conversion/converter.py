@@ -36,7 +36,7 @@ def count_params(model: nn.Module) -> int:
 
 
 def convert(model: nn.Module, ratio: float | None = 4.0, layout: str = "tt", targets=None, exclude=None, *,
-            rank: int | None = None, embedding_layout: str | None = None, d: int = 3, gates: bool = True,
+            rank: int | None = None, embedding_layout: str = "tt", d: int = 3, gates: bool = True,
             source: str | None = None, progress: Callable[[str, int, int], None] | None = None,
             calibration: Calibration | None = None, allocation: str = "uniform") -> ConversionReport:
     """Convert ``model`` in place; returns the report of what was compressed.
@@ -44,8 +44,8 @@ def convert(model: nn.Module, ratio: float | None = 4.0, layout: str = "tt", tar
     ratio: the whole model (dense parameters included) shrinks at least this many times; ranks
         are allocated to meet it. Ignored when ``rank`` is given.
     rank: a fixed maximum rank for every converted layer instead of a ratio.
-    layout / embedding_layout: "tt" or "ttm" for linear layers / embeddings (embeddings: ttm, or tt
-        with calibration).
+    layout / embedding_layout: "tt" or "ttm" for linear layers / embeddings (both tt by default;
+        CoMERA lays embeddings out ttm).
     targets / exclude: module-name patterns (globs, or one dot-separated name part).
     progress: called as progress(module name, index, count) before each module is converted.
     calibration: ``calibrate(model, tokenizer, data)``: each layer's decomposition then minimizes

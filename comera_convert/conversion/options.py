@@ -18,11 +18,16 @@ class ConvertOptions:
     ratio: float | None = 4.0
     # A fixed maximum rank for every converted layer instead of a ratio (CoMERA uses 30).
     rank: int | None = None
-    # CoMERA's layouts: tt (in modes, then out modes) for linears, ttm for embeddings. With
-    # calibration, embeddings default to tt: its middle bond takes token-frequency weights
-    # exactly (MiniLM --ratio 4: embedding cosine 0.32 against 0.12 with ttm).
+    # tt (in modes, then out modes) for linears, as CoMERA. Embeddings are tt too, where CoMERA
+    # uses ttm ("ttm" here): a head tied to a tt embedding runs through its two halves (tokens x
+    # rank x vocab) instead of the whole table: bert-base's rank-30 MLM step ran 1.4x (batch 8)
+    # to 1.9x (batch 1) faster, its --ratio 4 batch-1 step went from 0.59x to 1.15x dense
+    # (BENCHMARKS.md). Per parameter the tt table is also the closer one (MiniLM's word
+    # embedding: 0.885 relative error at 0.73M parameters, ttm 0.923 at 1.1M), and with
+    # calibration its middle bond takes token-frequency weights exactly (MiniLM --ratio 4:
+    # embedding cosine 0.32 against 0.12 with ttm).
     layout: str = "tt"
-    embedding_layout: str | None = None
+    embedding_layout: str = "tt"
     # Modes per side: CoMERA splits 768 and 3072 into 3 modes each.
     d: int = 3
     targets: list[str] | None = None
@@ -52,8 +57,6 @@ class ConvertOptions:
                 raise ConfigError(expected("a ratio greater than 1", self.ratio))
         elif isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ConfigError(expected("a rank as a positive integer", self.rank))
-        if self.embedding_layout is None:
-            self.embedding_layout = "tt" if self.calibration is not None else "ttm"
         for name in ("layout", "embedding_layout"):
             if getattr(self, name) not in LAYOUTS:
                 raise ConfigError(expected(f"{name} in {LAYOUTS}", getattr(self, name)))
