@@ -121,5 +121,6 @@ def embedding_case(device: str, dtype: torch.dtype, quick: bool, repeats: int) -
         rows.append({"case": "embedding", "method": method, "device": device,
                      "dtype": str(dtype).replace("torch.", ""), "shape": f"{vocab}x{dim}",
                      "tokens": ids.numel(), "ranks": list(layer.spec.ranks) if layer else [],
-                     "params": num_params(layer.spec) if layer else vocab * dim, "ms": round(seconds * 1e3, 3), "peak_mb": round(peak.bytes / 2 ** 20, 2)})
+                     "params": num_params(layer.spec) if layer else vocab * dim,
+                     "ms": round(seconds * 1e3, 3), "peak_mb": round(peak.bytes / 2 ** 20, 2)})
     return rows
