@@ -77,7 +77,7 @@ def load_variant(variant: str, path: str, device: str, dtype, capturable: bool =
     as CUDA-graph capture needs)."""
     import comera_convert
 
-    if variant.startswith("TT"):
+    if variant in TT_CONVERSIONS:
         model = comera_convert.from_pretrained(path)
     else:
         from transformers import BertForMaskedLM
@@ -120,10 +120,10 @@ def train_step_child(variant: str, path: str, batch: int, seq: int, device: str,
     """One variant in a fresh process: its peak memory above the post-import baseline covers the
     weights, gradients, optimizer state and activations of training."""
     dtype = getattr(torch, dtype_name)
-    variant, suffix = split_variant(variant)
+    base, suffix = split_variant(variant)
     with_graph = suffix == GRAPH_SUFFIX
     with PeakMemory(device) as peak:
-        model, optimizer = load_variant(variant, path, device, dtype, capturable=with_graph)
+        model, optimizer = load_variant(base, path, device, dtype, capturable=with_graph)
         if suffix == CHECKPOINT_SUFFIX:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
@@ -135,7 +135,7 @@ def train_step_child(variant: str, path: str, batch: int, seq: int, device: str,
 
         seconds = median_seconds(graphed(step) if with_graph else step, repeats, warmup=1, device=device)
     params = sum(p.numel() for p in model.parameters())
-    return {"variant": variant + suffix, "seconds": seconds, "peak_bytes": peak.bytes, "params": params}
+    return {"variant": variant, "seconds": seconds, "peak_bytes": peak.bytes, "params": params}
 
 
 def train_step_case(device: str, dtype, quick: bool, repeats: int) -> list[dict]:
