@@ -182,3 +182,23 @@ def test_custom_backward_matches_autograd_through_plain_ops():
     (x @ tt.dense_weight().t() + tt.bias).pow(2).sum().backward()
     reference = [x.grad] + [p.grad for p in tt.parameters()]
     assert all(rel_err(a, b) < 1e-10 for a, b in zip(ours, reference))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bf16_autocast_backward_outside_the_autocast_block(layout):
+    """As the Trainer runs it: the forward under bf16 autocast on a float32 input (a layer norm's
+    output), the backward after the block has closed. Gradients track the float32 ones."""
+    torch.manual_seed(0)
+    tt = TTLinear.from_linear(nn.Linear(96, 80), rank=8, layout=layout)
+    x = torch.randn(32, 96, requires_grad=True)
+    tt(x).square().mean().backward()
+    reference = [x.grad.clone()] + [p.grad.clone() for p in tt.parameters()]
+    x.grad = None
+    tt.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = tt(x)
+    assert y.dtype == torch.bfloat16
+    y.float().square().mean().backward()
+    low = [x.grad] + [p.grad for p in tt.parameters()]
+    assert all(g.dtype == torch.float32 for g in low)
+    assert all(rel_err(a, b) < 5e-2 for a, b in zip(low, reference))

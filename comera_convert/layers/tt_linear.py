@@ -96,7 +96,7 @@ class TTLinear(TTModule):
             return through_bond(x, left, right, self.bias)
         tokens = x.numel() // self.in_features
         y = ttm_linear(x, self.gated_cores(), spec, ttm_split(spec, tokens))
-        return y + self.bias if self.bias is not None else y
+        return y + self.bias.to(y.dtype) if self.bias is not None else y  # autocast's dtype, as F.linear
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -75,10 +75,21 @@ class ThroughBond(torch.autograd.Function):
         return grad_x, grad_left, grad_right, grad_bias
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a GEMM on ``x`` runs in: autocast's where it is on (as F.linear would run), else x's."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
 def through_bond(x: torch.Tensor, left: torch.Tensor, right: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., R) -> x L R + b (..., C)."""
     flat = x.reshape(-1, x.shape[-1])
+    # Every operand in one dtype before the Function: its backward runs outside autocast, where a
+    # float32 x saved beside a bfloat16 gradient could not meet in one GEMM.
+    dtype = compute_dtype(flat)
+    flat, left, right = flat.to(dtype), left.to(dtype), right.to(dtype)
+    bias = None if bias is None else bias.to(dtype)
     if not flat.is_contiguous():
         flat = flat.contiguous()
     if torch.is_grad_enabled():
