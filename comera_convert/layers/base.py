@@ -24,6 +24,13 @@ def check_size(name: str, value) -> None:
         raise ValueError(expected(f"{name} as a positive int", value))
 
 
+def listed(params: nn.ParameterList | None) -> list[torch.Tensor]:
+    """A ParameterList's tensors in order, read from its registry. Iterating the list itself indexes
+    it item by item (12 us for six cores against 0.3 us): every forward reads its cores and gates,
+    and on a GPU that host time, not the kernels, bounds an eager step of small layers."""
+    return [] if params is None else list(params._parameters.values())
+
+
 class TTModule(nn.Module):
     """Cores of a TT matrix with optional rank gates. Subclasses define ``forward``."""
 
@@ -43,7 +50,7 @@ class TTModule(nn.Module):
     @property
     def spec(self) -> TTSpec:
         """The layer's TT spec, with the ranks its cores have now."""
-        cores = list(self.cores)  # (slicing a ParameterList would build a new module)
+        cores = listed(self.cores)
         ranks = tuple(core.shape[-1] for core in cores[:-1])
         if ranks != self._shape.ranks:
             self._shape = self._shape.with_ranks(ranks)
@@ -75,7 +82,8 @@ class TTModule(nn.Module):
         builds them once. With autograd on it is always recomputed (the graph must reach the cores)."""
         if torch.is_grad_enabled():
             return compute()
-        tensors = list(self.cores) + list(self.gates or []) + list(self.buffers(recurse=False))
+        buffers = [b for b in self._buffers.values() if b is not None]
+        tensors = listed(self.cores) + listed(self.gates) + buffers
         stamp = tuple((t.data_ptr(), t._version) for t in tensors)
         cache = self.__dict__.setdefault("_inference_cache", {})
         if name not in cache or cache[name][0] != stamp:
@@ -84,7 +92,7 @@ class TTModule(nn.Module):
 
     def gated_cores(self) -> list[torch.Tensor]:
         """The cores with the gates folded in: what the forward pass contracts."""
-        return apply_gates(list(self.cores), None if self.gates is None else list(self.gates))
+        return apply_gates(listed(self.cores), None if self.gates is None else listed(self.gates))
 
     def num_tt_parameters(self) -> int:
         """Entries in the cores (what the TT format stores for the matrix)."""
