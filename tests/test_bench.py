@@ -16,11 +16,14 @@ def quick_rows(tmp_path_factory):
     result = CliRunner(env={"COLUMNS": "200"}).invoke(main, ["bench", "--quick", "--json", str(path)])
     assert result.exit_code == 0, result.output
     print(result.output)
-    return json.loads(path.read_text())
+    return {**json.loads(path.read_text()), "output": result.output}
 
 
 def test_every_case_reports_rows_that_name_device_dtype_and_shape(quick_rows):
     assert quick_rows["quick"] and quick_rows["machine"]
+    # Into a log (not a terminal) each step is a line as it starts: a run cut short shows how far it got.
+    assert "bench: layer\n" in quick_rows["output"]
+    assert "bench: train-step, batch 2: dense AdamW (1/9)\n" in quick_rows["output"]
     cases = {row["case"] for row in quick_rows["rows"]}
     assert cases == {"layer", "embedding", "train-step", "convert", "inference"}
     for row in quick_rows["rows"]:

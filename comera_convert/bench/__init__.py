@@ -8,6 +8,8 @@ child    one training-step variant in a fresh process
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .layers import embedding_case, layer_case
@@ -31,8 +33,15 @@ def machine() -> str:
     return f"{model}, {torch.get_num_threads()} threads"
 
 
-def run(cases, device: str, dtype: torch.dtype, quick: bool, repeats: int) -> list[dict]:
+def run(cases, device: str, dtype: torch.dtype, quick: bool, repeats: int, progress=None) -> list[dict]:
+    """The rows of each case in turn; ``progress(message)`` hears of each case, and of each variant of
+    the training step (minutes: one fresh process per variant)."""
+    progress = progress or (lambda message: None)
     rows = []
     for name in cases:
-        rows.extend(CASES[name](device, dtype, quick, repeats))
+        progress(name)
+        case = CASES[name]
+        if name == "train-step":
+            case = functools.partial(case, progress=progress)
+        rows.extend(case(device, dtype, quick, repeats))
     return rows

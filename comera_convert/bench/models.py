@@ -138,7 +138,8 @@ def train_step_child(variant: str, path: str, batch: int, seq: int, device: str,
     return {"variant": variant, "seconds": seconds, "peak_bytes": peak.bytes, "params": params}
 
 
-def train_step_case(device: str, dtype, quick: bool, repeats: int) -> list[dict]:
+def train_step_case(device: str, dtype, quick: bool, repeats: int, progress=None) -> list[dict]:
+    progress = progress or (lambda message: None)
     seq = 32 if quick else 128
     batches = [2, 1] if quick else ([32, 1] if device == "cuda" else [8, 1])
     rows = []
@@ -148,8 +149,11 @@ def train_step_case(device: str, dtype, quick: bool, repeats: int) -> list[dict]
             variants = list(TRAIN_VARIANTS) + [v + CHECKPOINT_SUFFIX for v in CHECKPOINTED_VARIANTS]
             if device == "cuda":
                 variants += [v + GRAPH_SUFFIX for v in GRAPHED_VARIANTS]
-            results = {v: _run_child(v, paths[split_variant(v)[0]], batch, seq, device, dtype, repeats)
-                       for v in variants}
+            results = {}
+            for number, variant in enumerate(variants, 1):
+                progress(f"train-step, batch {batch}: {variant} ({number}/{len(variants)})")
+                results[variant] = _run_child(variant, paths[split_variant(variant)[0]], batch, seq, device, dtype,
+                                              repeats)
             rows.extend(_train_rows(results, batch, seq, device, dtype))
     return rows
 

@@ -37,8 +37,15 @@ def bench(cases, quick, device, dtype, repeats, json_path):
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available here")
     repeats = repeats or (2 if quick else 5)
-    rows = benchmarks.run(cases or CASE_NAMES, device, getattr(torch, dtype), quick, repeats)
     out = console()
+    with out.status("bench") as status:
+        def progress(message: str) -> None:
+            if out.is_terminal:
+                status.update(f"bench: {message}")
+            else:  # a log file: one line per step, so a run cut short still shows how far it got
+                out.print(f"bench: {message}", highlight=False)
+
+        rows = benchmarks.run(cases or CASE_NAMES, device, getattr(torch, dtype), quick, repeats, progress)
     out.print(f"machine: {benchmarks.machine()}, torch {torch.__version__}, {device}, {dtype}"
               + (" (--quick: smoke test)" if quick else ""))
     for case in dict.fromkeys(r["case"] for r in rows):
