@@ -103,6 +103,20 @@ def test_device_and_dtype_follow_the_model():
     assert {p.dtype for p in model.parameters()} == {torch.float64}
 
 
+@pytest.mark.parametrize("case", ["bert-mlm", "gpt2-clm"])
+def test_a_meta_device_model_plans_what_a_real_one_gets(case):
+    """Planning a conversion of a model too big to hold: built on the meta device, it converts
+    to the same modules, ranks and sizes as the model with weights (only the values are missing)."""
+    real = build(case)
+    with torch.device("meta"):
+        meta = type(real)(real.config)
+    planned = comera_convert.convert(meta, ratio=2, gates=True)
+    converted = comera_convert.convert(real, ratio=2, gates=True)
+    assert planned.modules and planned.modules == converted.modules
+    assert (planned.params_before, planned.params_after) == (converted.params_before, converted.params_after)
+    assert all(p.is_meta for p in meta.parameters())
+
+
 @pytest.mark.parametrize("kwargs,error,message", [
     (dict(ratio=1.0), ConfigError, "ratio greater than 1"),
     (dict(ratio=0.5), ConfigError, "ratio greater than 1"),

@@ -68,7 +68,7 @@ class TTModule(nn.Module):
     @property
     def ranks(self) -> tuple[int, ...]:
         """The active rank of each internal bond: nonzero gate entries (all of them ungated)."""
-        if self.gates is None:
+        if self.gates is None or self.cores[0].is_meta:  # meta gates have no values: all start open
             return self.bond_dims
         return tuple(int(torch.count_nonzero(g.detach())) for g in self.gates)
 
