@@ -174,6 +174,15 @@ def test_dropout_option_sets_every_dropout_while_training_and_keeps_the_saved_co
     assert saved["hidden_dropout_prob"] == json.loads((path / "config.json").read_text())["hidden_dropout_prob"] > 0
 
 
+def test_dropout_reaches_llama_attention_which_holds_a_float_not_a_module():
+    model = build("llama-clm")
+    attention = [m for m in model.modules() if hasattr(m, "attention_dropout")]
+    assert attention and all(m.attention_dropout == 0.0 for m in attention)
+    set_dropout(model, 0.25)
+    assert all(m.attention_dropout == 0.25 for m in attention)
+    assert model.config.attention_dropout == 0.0  # the saved config keeps its own
+
+
 def test_gradient_checkpointing_recomputes_the_layers_and_gives_the_same_gradients():
     from comera_convert.layers import TTLinear
 

@@ -57,7 +57,8 @@ class TrainOptions:
     late_rank_weight: float = 1.0
     mlm_probability: float = 0.15
     # Every dropout probability of the model while it trains (its nn.Dropout modules, which BERT's
-    # and GPT-2's attention also read); None keeps the model's own. The saved config keeps its own.
+    # and GPT-2's attention also read, and Llama-style attention's float attention_dropout); None
+    # keeps the model's own. The saved config keeps its own.
     dropout: float | None = None
     # Activation checkpointing (transformers' gradient checkpointing, layer by layer): each layer's
     # activations are recomputed in backward instead of kept. Less memory, about a third more compute.

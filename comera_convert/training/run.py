@@ -83,10 +83,14 @@ def held_out_loss(model, blocks, objective, collate, teacher, batch_size: int) -
 
 
 def set_dropout(model: torch.nn.Module, p: float) -> None:
-    """Every nn.Dropout of the model drops with probability ``p`` (its config is left as it was)."""
+    """Every dropout of the model drops with probability ``p`` (its config is left as it was): the
+    nn.Dropout modules, and the float ``attention_dropout`` that Llama-style attention passes to
+    its attention kernel instead of holding a module."""
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = p
+        elif isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = p
 
 
 def training_arguments(options: TrainOptions, output_dir: Path, **overrides):
