@@ -26,7 +26,7 @@ TT_CONVERSIONS = {"TT comera r30": {"rank": 30, "embedding_layout": "ttm"},
 TRAIN_VARIANTS = ("dense AdamW", "GaLore AdamW r128", *TT_CONVERSIONS)
 # On CUDA the whole step (forward, backward, AdamW) is also captured once and replayed as one CUDA graph.
 GRAPH_SUFFIX = " + CUDA graph"
-GRAPHED_VARIANTS = ("dense AdamW", "TT comera r30", "TT r30, tt embedding")
+GRAPHED_VARIANTS = ("dense AdamW", "TT comera r30", "TT r30, tt embedding", "TT --ratio 4")
 # Activation checkpointing (transformers' gradient checkpointing, per layer): each layer's
 # activations are recomputed in backward instead of kept, trading time for memory. Measured for
 # the baselines too, so that each is compared with its own kind.
