@@ -11,10 +11,13 @@ from comera_convert.conversion import ConvertOptions, convert_with, count_params
 from comera_convert.conversion.calibration import Calibration, collect, weighted_decomposer
 from comera_convert.conversion.sensitivity import error_curve
 from comera_convert.conversion.targets import find_candidates
-from comera_convert.errors import ConfigError
+from comera_convert.errors import ConfigError, ShapeError
 from comera_convert.tt import TTSpec, cores_to_matrix
 from comera_convert.tt.decompose import matrix_to_cores
-from comera_convert.tt.weighted import input_factor, mode_weights, scaled_ttm_cores, whitened_tt_cores
+from comera_convert.tt.als import _CoreMap, als_refine
+from comera_convert.tt.decompose import _padded
+from comera_convert.tt.weighted import (input_factor, mode_weights, scaled_ttm_cores, whitened_tt_cores,
+                                        whitened_ttm_cores)
 
 from .conftest import rel_err
 from .tiny_models import VOCAB, build
@@ -56,6 +59,39 @@ def test_scaled_ttm_beats_plain_ttm_on_weighted_rows():
     assert rel_err(weighted * scaled, weighted * matrix) < 0.9 * rel_err(weighted * plain, weighted * matrix)
     fitted = mode_weights(weights, spec.row_modes, spec.padded_rows)
     assert rel_err(torch.einsum("a,b,c->abc", *fitted).reshape(-1), weights) < 1e-8
+
+
+@pytest.mark.parametrize("rows", [96, 97])  # 97 is prime: padded input modes
+def test_als_refined_ttm_beats_row_weighted_ttm_on_the_inputs(rows):
+    spec = TTSpec.plan(rows, 120, 8, layout="ttm", d=3)
+    matrix, x = torch.randn(rows, 120, dtype=torch.float64), anisotropic_inputs(rows)
+    gram = x.T @ x
+    scaled = cores_to_matrix(scaled_ttm_cores(matrix, spec, gram.diagonal().sqrt()), spec)
+    refined = cores_to_matrix(whitened_ttm_cores(matrix, spec, gram), spec)
+    assert rel_err(x @ refined, x @ matrix) < 0.8 * rel_err(x @ scaled, x @ matrix)
+
+
+def test_als_core_map_builds_the_ttm_matrix_and_its_adjoint_is_the_transpose():
+    spec = TTSpec.plan(24, 30, 5, layout="ttm", d=3)  # 30 columns pad to 32
+    cores = [torch.randn(shape, dtype=torch.float64) for shape in spec.core_shapes()]
+    for k in range(3):
+        core_map = _CoreMap(cores, k, (spec.padded_rows, spec.padded_cols))
+        torch.testing.assert_close(core_map(cores[k])[:24, :30], cores_to_matrix(cores, spec))
+        probe, other = torch.randn_like(cores[k]), torch.randn(spec.padded_rows, spec.padded_cols, dtype=torch.float64)
+        torch.testing.assert_close((core_map(probe) * other).sum(), (probe * core_map.adjoint(other)).sum())
+
+
+def test_als_rejects_other_layouts_and_shapes():
+    spec = TTSpec.plan(24, 32, 5, layout="ttm", d=3)
+    cores = [torch.randn(shape) for shape in spec.core_shapes()]
+    with pytest.raises(ShapeError, match=r"expected a 24 x 24 Gram matrix \(or its diagonal\) \(got \(12, 12\)\)"):
+        als_refine(torch.randn(24, 32), cores, spec, torch.eye(12))
+    with pytest.raises(ShapeError, match="expected a padded 24 x 32 matrix"):
+        als_refine(torch.randn(24, 30), cores, spec, torch.eye(24))
+    with pytest.raises(ShapeError, match=r"expected a ttm-layout spec \(got 'tt'\)"):
+        als_refine(torch.randn(24, 32), cores, TTSpec.plan(24, 32, 5, layout="tt", d=3), torch.eye(24))
+    with pytest.raises(ShapeError, match=r"expected a 24 x 24 Gram matrix \(got \(32, 32\)\)"):
+        whitened_ttm_cores(torch.randn(24, 32), spec, torch.eye(32))
 
 
 def test_singular_gram_is_damped_and_warned(caplog):

@@ -4,7 +4,8 @@ Forward hooks on every module the converter may replace record, over a few hundr
 the Gram matrix X^T X of each linear layer's inputs (float64, accumulated from float32 batch
 products) and how often each embedding row is looked up. ``weighted_decomposer`` turns them into
 the decomposition each layer gets (``tt.weighted``): whitened TT-SVD for tt-layout linears,
-row-weighted TTM-SVD for the ttm layout, token-frequency weights for embeddings, whose rows are
+row-weighted TTM-SVD refined by ALS on the Gram matrix for ttm-layout linears, token-frequency
+weights for embeddings (row-weighted TTM-SVD when they are ttm), whose rows are
 also reordered by frequency (``token_order``). The inputs' means also let ``correct_bias``
 remove the mean of each linear layer's output error.
 """
@@ -210,12 +211,16 @@ def weighted_decomposer(candidate: Candidate, stats: Calibration, layout: str):
     if gram is None:
         return None
     if layout == "ttm":
-        return partial(_scaled, gram.diagonal().clamp_min(0).sqrt())
+        return partial(_whitened_ttm, gram)
     return partial(_whitened, stats.input_factor(candidate.name))
 
 
 def _whitened(factor, matrix, spec):
     return weighted.whitened_tt_cores(matrix, spec, factor.to(matrix.device))
+
+
+def _whitened_ttm(gram, matrix, spec):
+    return weighted.whitened_ttm_cores(matrix, spec, gram.to(matrix.device))
 
 
 def _scaled(weights, matrix, spec):

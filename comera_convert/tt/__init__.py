@@ -3,6 +3,8 @@
 shapes     factor a dimension into balanced modes (padding sizes that factor badly)
 spec       TTSpec: layout, modes and ranks of a TT matrix, validated
 decompose  TT-SVD / TTM-SVD from a dense matrix, and the dense matrix back
+weighted   data-aware decompositions (the error on real inputs)
+als        alternating least squares on ttm cores for an input Gram matrix
 reference  the same decompositions by tensorly (the reference in tests)
 contract   forward contractions: linear (tt, ttm) and embedding row lookups
 counting   parameter and FLOP counts

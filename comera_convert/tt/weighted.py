@@ -12,10 +12,11 @@ A = S M V, an R x r matrix; the input half is S^{-1} A, split over the input mod
 with its rows scaled by per-mode weights (below) that approximate sqrt(G_ii); exact whenever
 those bonds are at full rank, as they are at the ranks `--ratio` conversions give at bert sizes.
 
-ttm layout (interleaved input / output modes). S does not factor over the modes, so only
-per-row weights are used (the Gram diagonal, or token frequencies for embeddings), approximated
-by a product of one weight vector per input mode; scaling rows by that product, TTM-SVD, and
-dividing each core's input mode by its vector is then exact.
+ttm layout (interleaved input / output modes). S does not factor over the modes, so TTM-SVD
+can only weight rows (the Gram diagonal, or token frequencies for embeddings), approximated by a
+product of one weight vector per input mode; scaling rows by that product, TTM-SVD, and dividing
+each core's input mode by its vector is then exact. For linear layers, alternating least squares
+on the whole Gram matrix (``als``) then refines those cores: 2x to 3x lower error on the inputs.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import ShapeError, expected
-from .decompose import _check_matrix, _interleave, _padded, left_singular_vectors, pad_cores, tt_svd
+from .als import als_refine
+from .decompose import _check_matrix, _interleave, _padded, compute_dtype, left_singular_vectors, pad_cores, tt_svd
 from .spec import TTSpec
 
 
@@ -163,3 +165,16 @@ def scaled_ttm_cores(matrix: torch.Tensor, spec: TTSpec, row_weights: torch.Tens
     cores = [c.reshape(c.shape[0], m, n, c.shape[2]) / v[None, :, None, None]
              for c, m, n, v in zip(flat, spec.row_modes, spec.col_modes, vectors)]
     return pad_cores([c.to(matrix.dtype) for c in cores], spec)
+
+
+def whitened_ttm_cores(matrix: torch.Tensor, spec: TTSpec, gram: torch.Tensor) -> list[torch.Tensor]:
+    """ttm-layout cores that lower ||S (M - M_tt)|| for the input Gram matrix G = S^T S (R x R):
+    TTM-SVD with rows weighted by sqrt(G_ii), then ALS sweeps on the whole objective (``als``)."""
+    _check_matrix(matrix, spec)
+    if tuple(gram.shape) != (spec.rows, spec.rows):
+        raise ShapeError(expected(f"a {spec.rows} x {spec.rows} Gram matrix", tuple(gram.shape)))
+    cores = scaled_ttm_cores(matrix, spec, gram.diagonal().clamp_min(0).sqrt())
+    work = compute_dtype(matrix.dtype)
+    padded_gram = gram.new_zeros(spec.padded_rows, spec.padded_rows)  # padding rows carry no input
+    padded_gram[: spec.rows, : spec.rows] = gram
+    return als_refine(_padded(matrix.detach().to(work), spec), cores, spec, padded_gram.to(work))
