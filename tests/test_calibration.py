@@ -135,7 +135,8 @@ def test_hooks_record_grams_and_token_counts():
     assert rel_err(stats.grams["encoder.layer.0.intermediate.dense"], x.T @ x) < 1e-5
 
 
-def test_calibrated_conversion_is_closer_on_text_like_the_calibration():
+@pytest.mark.parametrize("layout", ["tt", "ttm"])
+def test_calibrated_conversion_is_closer_on_text_like_the_calibration(layout):
     dense = build("bert")
     stats = collect(dense, find_candidates(dense)[0], skewed_batches(), source="test")
     held_out = torch.randint(0, 40, (4, 16))
@@ -144,7 +145,7 @@ def test_calibrated_conversion_is_closer_on_text_like_the_calibration():
     errors = {}
     for name, calibration in (("plain", None), ("calibrated", stats)):
         model = build("bert")
-        options = ConvertOptions(ratio=2, calibration="test" if calibration else None)
+        options = ConvertOptions(ratio=2, layout=layout, calibration="test" if calibration else None)
         report = convert_with(model, options, calibration=calibration)
         with torch.no_grad():
             errors[name] = rel_err(model(input_ids=held_out).last_hidden_state, reference)
