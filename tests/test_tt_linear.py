@@ -172,6 +172,22 @@ def test_inference_reuses_merged_halves_until_the_cores_change():
     assert rel_err(changed, x @ tt.dense_weight().t() + tt.bias) < 1e-5
 
 
+@pytest.mark.parametrize("gates", [True, False])
+def test_inference_after_a_fused_optimizer_step_sees_the_new_cores(gates):
+    tt = TTLinear(64, 48, rank=4, d=2, gates=gates)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        before = tt(x)  # caches the merged halves
+    tt(x).pow(2).sum().backward()
+    versions = [p._version for p in tt.parameters()]
+    torch.optim.AdamW(tt.parameters(), lr=0.1, fused=True).step()
+    assert [p._version for p in tt.parameters()] == versions  # the kernel bumps no version counter
+    with torch.no_grad():
+        after = tt(x)
+    assert not torch.equal(after, before)
+    assert rel_err(after, x @ tt.dense_weight().t() + tt.bias) < 1e-5
+
+
 def test_custom_backward_matches_autograd_through_plain_ops():
     tt = TTLinear(96, 80, rank=6, dtype=torch.float64)
     x = torch.randn(7, 96, dtype=torch.float64, requires_grad=True)

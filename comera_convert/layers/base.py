@@ -11,11 +11,25 @@ import math
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..errors import ShapeError, expected
 from ..tt import apply_gates, cores_to_matrix
 from ..tt.counting import num_params
 from ..tt.spec import TTSpec
+
+# Fused optimizer kernels (torch's fused AdamW, which `comera train` uses) write the parameters
+# without bumping their version counters, so the inference cache also keys on how many optimizer
+# steps the process has taken.
+_optimizer_steps = 0
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+register_optimizer_step_post_hook(_count_optimizer_step)
 
 
 def check_size(name: str, value) -> None:
@@ -78,13 +92,14 @@ class TTModule(nn.Module):
 
     def cached(self, name: str, compute):
         """``compute()``, remembered across calls while autograd is off (inference) and the cores,
-        gates and buffers are unchanged: the merged halves do not depend on the input, so eval mode
-        builds them once. With autograd on it is always recomputed (the graph must reach the cores)."""
+        gates and buffers are unchanged (no in-place write, no optimizer step): the merged halves
+        do not depend on the input, so eval mode builds them once. With autograd on it is always
+        recomputed (the graph must reach the cores)."""
         if torch.is_grad_enabled():
             return compute()
         buffers = [b for b in self._buffers.values() if b is not None]
         tensors = listed(self.cores) + listed(self.gates) + buffers
-        stamp = tuple((t.data_ptr(), t._version) for t in tensors)
+        stamp = (_optimizer_steps,) + tuple((t.data_ptr(), t._version) for t in tensors)
         cache = self.__dict__.setdefault("_inference_cache", {})
         if name not in cache or cache[name][0] != stamp:
             cache[name] = (stamp, compute())
