@@ -159,6 +159,20 @@ class SeesModel(TrainerCallback):
         self.model = model
 
 
+class SeesDataset(TrainerCallback):
+    def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
+        self.dataset = train_dataloader.dataset
+
+
+def test_training_draws_from_more_of_the_corpus_than_its_steps_use(tmp_path, tokenizer, corpus):
+    path = compressed(tmp_path, tokenizer)
+    seen = SeesDataset()
+    options = TrainOptions(objective="mlm", data=str(corpus), **{**FAST, "steps": 2, "early_steps": 1})
+    train(str(path), options, tmp_path / "out", callbacks=[seen])
+    drawn = options.steps * options.batch_size
+    assert drawn < len(seen.dataset) <= 4 * drawn  # not only the first blocks: up to four times as many
+
+
 def test_dropout_option_sets_every_dropout_while_training_and_keeps_the_saved_config(tmp_path, tokenizer, corpus):
     path = compressed(tmp_path, tokenizer)
     seen = SeesModel()
