@@ -58,6 +58,20 @@ def test_packing_into_blocks_with_a_held_out_split(tokenizer):
     assert not any(tuple(b.tolist()) in train_set for b in blocks.held_out)
 
 
+def test_packing_keeps_each_training_documents_start(tmp_path, tokenizer):
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    texts = [f"document {i} begins here. " + "some words of its body. " * 30 for i in range(5)]
+    for i, text in enumerate(texts):
+        (folder / f"{i}.txt").write_text(text)
+    (folder / "9-short.txt").write_text("too short to fill a block")
+    blocks = pack(str(folder), tokenizer, seq_len=16, max_train_blocks=1000, max_held_out_blocks=0)
+    assert len(blocks.starts) == 5  # the short document fills no start block
+    for text, start in zip(texts, blocks.starts):
+        body = tokenizer(text, add_special_tokens=False)["input_ids"][:14]
+        assert start.tolist() == [tokenizer.cls_token_id] + body + [tokenizer.sep_token_id]
+
+
 def test_too_little_text(tmp_path, tokenizer):
     (tmp_path / "tiny.txt").write_text("hi")
     with pytest.raises(ConfigError, match="too little text for one training block of 64 tokens"):

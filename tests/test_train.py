@@ -14,7 +14,8 @@ from comera_convert.conversion import count_params
 from comera_convert.errors import ComeraError, ConfigError
 from comera_convert.training import TrainOptions, train
 from comera_convert.training.rank_control import RankController
-from comera_convert.training.run import set_dropout
+from comera_convert.training.data import Blocks
+from comera_convert.training.run import set_dropout, with_document_starts
 from comera_convert.training.trainer import fused_adamw_applies
 
 from .tiny_models import build
@@ -248,6 +249,19 @@ def test_gradient_checkpointing_on_a_model_without_it_is_refused(tmp_path, token
 def test_a_dropout_outside_zero_to_one_is_refused(bad):
     with pytest.raises(ConfigError, match=r"dropout in \[0, 1\)"):
         TrainOptions(dropout=bad)
+    with pytest.raises(ConfigError, match=r"document_starts in \[0, 1\)"):
+        TrainOptions(document_starts=bad)
+
+
+@pytest.mark.parametrize("share", [0.0, 0.25, 0.5])
+def test_document_starts_make_up_their_share_of_the_training_set(share):
+    packed = [torch.full((4,), i) for i in range(60)]
+    starts = [torch.full((4,), -i) for i in range(1, 8)]
+    dataset = with_document_starts(Blocks(train=packed, held_out=[], starts=starts), share)
+    assert dataset[:60] == packed  # every packed block once, first
+    from_starts = dataset[60:]
+    assert all(any(b is s for s in starts) for b in from_starts)
+    assert len(from_starts) / len(dataset) == pytest.approx(share, abs=0.05)
 
 
 def test_an_unknown_schedule_is_refused():

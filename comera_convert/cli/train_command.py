@@ -51,7 +51,7 @@ def _rich_progress_callback(total_steps: int, tokens_per_step: int):
 OPTION_NAMES = ["objective", "data", "steps", "seq_len", "batch_size", "gradient_accumulation_steps",
                 "lr_cores", "lr_gates", "lr_rest", "beta", "tau", "early_steps", "target_ratio", "teacher",
                 "logging_steps", "save_steps", "seed", "warmup_steps", "lr_scheduler_type", "dropout",
-                "gradient_checkpointing", "bf16", "compile"]
+                "document_starts", "gradient_checkpointing", "bf16", "compile"]
 
 
 @main.command()
@@ -79,6 +79,9 @@ OPTION_NAMES = ["objective", "data", "steps", "seq_len", "batch_size", "gradient
               help="Learning rates after the warm-up: held (CoMERA) or decayed to 0 [default: constant].")
 @click.option("--dropout", type=float, default=None,
               help="Every dropout probability while training, e.g. 0 to distill [default: the model's].")
+@click.option("--document-starts", type=float, default=None,
+              help="Share of training draws that are a document's first block, e.g. 0.5 to distill a "
+                   "sentence encoder [default: 0, packed blocks only].")
 @click.option("--gradient-checkpointing", is_flag=True, default=None,
               help="Recompute each layer's activations in backward: less memory, more compute.")
 @click.option("--seed", type=int, default=None)

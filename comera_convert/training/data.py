@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -193,6 +193,9 @@ def _token_ids(texts: Iterator[str], tokenizer, chunk: int = 64) -> Iterator[lis
 class Blocks:
     train: list[torch.Tensor]
     held_out: list[torch.Tensor]
+    # The first block of every training document read that fills one: a text from its start, as
+    # a sentence encoder embeds it (the packed blocks start anywhere).
+    starts: list[torch.Tensor] = field(default_factory=list)
 
 
 def pack(source: str, tokenizer, seq_len: int, max_train_blocks: int, max_held_out_blocks: int) -> Blocks:
@@ -201,12 +204,14 @@ def pack(source: str, tokenizer, seq_len: int, max_train_blocks: int, max_held_o
     Documents are joined with the separator (or end-of-text) token; encoder tokenizers get
     [CLS] ... [SEP] around each block. Stops reading once both sets are full. With
     ``max_held_out_blocks=0`` only training blocks are made (held-out documents still unread).
+    Also keeps the start of every training document read (``Blocks.starts``).
     """
     framing = Framing.of(tokenizer, seq_len)
     joiner, body = framing.joiner, framing.body
     streams = {"train": [], "held_out": []}
     blocks = {"train": [], "held_out": []}
     limits = {"train": max_train_blocks, "held_out": max_held_out_blocks}
+    starts = []
     empty = True
     for index, text in enumerate(documents(source)):
         empty = False
@@ -216,6 +221,8 @@ def pack(source: str, tokenizer, seq_len: int, max_train_blocks: int, max_held_o
                 break
             continue
         ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+        if split == "train" and len(ids) >= body:
+            starts.append(framing.block(ids[:body]))
         stream = streams[split]
         stream.extend(ids + ([joiner] if joiner is not None else []))
         while len(stream) >= body and len(blocks[split]) < limits[split]:
@@ -231,4 +238,4 @@ def pack(source: str, tokenizer, seq_len: int, max_train_blocks: int, max_held_o
         # Fewer than 20 documents: hold out the last blocks instead (5 %, at least one).
         cut = len(train) - max(1, len(train) // HELD_OUT_EVERY)
         train, held_out = train[:cut], train[cut:]
-    return Blocks(train=train, held_out=held_out)
+    return Blocks(train=train, held_out=held_out, starts=starts)

@@ -56,6 +56,11 @@ class TrainOptions:
     # Weight of the rank surrogate when size is the worse-off objective in the late stage.
     late_rank_weight: float = 1.0
     mlm_probability: float = 0.15
+    # Share of the training draws that are a training document's first block ([CLS] and the text
+    # from its start, as a sentence encoder embeds it); the rest are packed blocks that start
+    # anywhere. 0 (packed blocks only) is pre-training's usual; distilling a sentence encoder
+    # gains from matching how its texts begin (recipes/train-minilm-distill.yaml: 0.5).
+    document_starts: float = 0.0
     # Every dropout probability of the model while it trains (its nn.Dropout modules, which BERT's
     # and GPT-2's attention also read, and Llama-style attention's float attention_dropout); None
     # keeps the model's own. The saved config keeps its own.
@@ -91,6 +96,9 @@ class TrainOptions:
         if self.dropout is not None and (isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float))
                                          or not 0 <= self.dropout < 1):
             raise ConfigError(expected("dropout in [0, 1)", self.dropout))
+        if isinstance(self.document_starts, bool) or not isinstance(self.document_starts, (int, float)) \
+                or not 0 <= self.document_starts < 1:
+            raise ConfigError(expected("document_starts in [0, 1)", self.document_starts))
         if not isinstance(self.gradient_checkpointing, bool):
             raise ConfigError(expected("gradient_checkpointing as true or false", self.gradient_checkpointing))
         if not 0 < self.target_fraction <= 1:

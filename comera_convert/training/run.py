@@ -18,7 +18,7 @@ import torch
 from ..errors import ComeraError, ConfigError
 from ..hf.config import compression_of
 from ..models import load_tokenizer, read_config, resolve
-from .data import pack
+from .data import Blocks, pack
 from .objectives import BlockCollator, resolve_objective, task_for, task_loss
 from .options import TrainOptions
 from .rank_control import RankController
@@ -166,7 +166,8 @@ def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, 
     if teacher is not None:
         teacher.to(args.device)
     before = held_out_loss(model.to(args.device), blocks.held_out, objective, collate, teacher, options.batch_size)
-    dataset = [{"input_ids": block, "index": i} for i, block in enumerate(blocks.train)]
+    dataset = [{"input_ids": block, "index": i}
+               for i, block in enumerate(with_document_starts(blocks, options.document_starts))]
     trainer = ComeraTrainer(model=model, args=args, train_dataset=dataset, data_collator=collate,
                             processing_class=tokenizer, comera_options=options, controller=controller,
                             objective=objective, teacher=teacher, callbacks=list(callbacks))
@@ -184,6 +185,15 @@ def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, 
                                          "held_out_loss_before": before, "held_out_loss_after": after,
                                          "options": options.to_dict()})
     return result
+
+
+def with_document_starts(blocks: Blocks, share: float) -> list[torch.Tensor]:
+    """The packed training blocks, plus the documents' first blocks repeated so that they make up
+    ``share`` of the list (the Trainer draws uniformly from it)."""
+    if not share or not blocks.starts:
+        return blocks.train
+    copies = max(1, round(share / (1 - share) * len(blocks.train) / len(blocks.starts)))
+    return blocks.train + blocks.starts * copies
 
 
 def export(model, history: list[dict], out: Path, source: str, training: dict):
