@@ -235,6 +235,19 @@ def test_gradient_checkpointing_option_reaches_the_trained_model(tmp_path, token
     assert result.steps == 2 and math.isfinite(result.held_out_after)
 
 
+@pytest.mark.parametrize("enabled", [False, True])
+def test_checkpointing_arguments_raise_no_deprecation_warning(tmp_path, enabled):
+    import warnings
+
+    from comera_convert.training.run import training_arguments
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        args = training_arguments(TrainOptions(gradient_checkpointing=enabled), tmp_path)
+    assert args.gradient_checkpointing is enabled
+    assert (args.gradient_checkpointing_kwargs or {}).get("use_reentrant", False) is False
+
+
 def test_gradient_checkpointing_on_a_model_without_it_is_refused(tmp_path, tokenizer, corpus, monkeypatch):
     from transformers import BertForMaskedLM
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -111,14 +111,21 @@ def training_arguments(options: TrainOptions, output_dir: Path, **overrides):
         dataloader_drop_last=True,  # fixed shapes: CUDA graphs and torch.compile need them
         torch_compile=options.compile, torch_compile_mode="reduce-overhead" if options.compile else None,
         disable_tqdm=True, save_total_limit=2,
-        gradient_checkpointing=options.gradient_checkpointing,
-        # Non-reentrant: recomputation that also works when the inputs need no gradient.
-        gradient_checkpointing_kwargs={"use_reentrant": False} if options.gradient_checkpointing else None,
+        **_checkpointing_arguments(TrainingArguments, options.gradient_checkpointing),
         # Under torchrun on CPU, DDP runs over gloo (NCCL needs GPUs).
         ddp_backend="gloo" if not cuda and int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
     )
     kwargs.update(overrides)
     return TrainingArguments(**kwargs)
+
+
+def _checkpointing_arguments(arguments_class, enabled: bool) -> dict:
+    """Activation checkpointing under the name this transformers takes (5.23 renamed
+    ``gradient_checkpointing`` to ``activation_checkpointing`` and warns on the old one);
+    non-reentrant, which also recomputes layers whose inputs need no gradient."""
+    names = {f.name for f in fields(arguments_class)}
+    name = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+    return {name: enabled, f"{name}_kwargs": {"use_reentrant": False} if enabled else None}
 
 
 def last_checkpoint(directory: Path) -> str | None:
