@@ -64,9 +64,17 @@ def test_packing_keeps_each_training_documents_start(tmp_path, tokenizer):
     texts = [f"document {i} begins here. " + "some words of its body. " * 30 for i in range(5)]
     for i, text in enumerate(texts):
         (folder / f"{i}.txt").write_text(text)
-    (folder / "9-short.txt").write_text("too short to fill a block")
+    (folder / "0-short.txt").write_text("too short to fill a block")
     blocks = pack(str(folder), tokenizer, seq_len=16, max_train_blocks=1000, max_held_out_blocks=0)
     assert len(blocks.starts) == 5  # the short document fills no start block
+    # Under 20 documents the last blocks are held out instead; a document that lies wholly in them
+    # gives no start block to training.
+    (folder / "5.txt").write_text("a last document, held out. " + "more words. " * 5)
+    blocks = pack(str(folder), tokenizer, seq_len=16, max_train_blocks=1000, max_held_out_blocks=4)
+    held_out_text = [i for b in blocks.held_out for i in b[1:-1].tolist()]
+    last = tokenizer("a last document, held out.", add_special_tokens=False)["input_ids"]
+    assert any(held_out_text[i:i + len(last)] == last for i in range(len(held_out_text)))
+    assert len(blocks.starts) == 5  # not the last document's
     for text, start in zip(texts, blocks.starts):
         body = tokenizer(text, add_special_tokens=False)["input_ids"][:14]
         assert start.tolist() == [tokenizer.cls_token_id] + body + [tokenizer.sep_token_id]

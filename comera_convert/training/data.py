@@ -222,7 +222,7 @@ def pack(source: str, tokenizer, seq_len: int, max_train_blocks: int, max_held_o
             continue
         ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
         if split == "train" and len(ids) >= body:
-            starts.append(framing.block(ids[:body]))
+            starts.append((len(blocks["train"]), framing.block(ids[:body])))  # (where its text is packed, block)
         stream = streams[split]
         stream.extend(ids + ([joiner] if joiner is not None else []))
         while len(stream) >= body and len(blocks[split]) < limits[split]:
@@ -238,4 +238,5 @@ def pack(source: str, tokenizer, seq_len: int, max_train_blocks: int, max_held_o
         # Fewer than 20 documents: hold out the last blocks instead (5 %, at least one).
         cut = len(train) - max(1, len(train) // HELD_OUT_EVERY)
         train, held_out = train[:cut], train[cut:]
-    return Blocks(train=train, held_out=held_out, starts=starts)
+        starts = [(at, block) for at, block in starts if at < cut]  # none from the held-out text
+    return Blocks(train=train, held_out=held_out, starts=[block for _, block in starts])
