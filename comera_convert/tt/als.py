@@ -18,11 +18,12 @@ from __future__ import annotations
 import torch
 
 from ..errors import ShapeError, expected
+from .decompose import compute_dtype
 from .spec import TTSpec
 
 # One sweep (cores 1..d, then back to 2) of eight CG steps each: on all-MiniLM-L6-v2's linear
 # layers it lowers the error on the inputs 1.7x to 2.5x (an FFN layer at rank 121: 0.142 -> 0.065,
-# 1 to 2 s on one thread); two sweeps reach 0.059, four of sixteen steps 0.053 for 14x the time.
+# 0.5 to 1 s on one thread); two sweeps reach 0.059, four of sixteen steps 0.053 for 14x the time.
 SWEEPS = 1
 CG_STEPS = 8
 
@@ -84,12 +85,13 @@ def _solve_core(core_map: _CoreMap, start: torch.Tensor, rhs: torch.Tensor, gram
     direction = residual.clone()
     norm = (residual * residual).sum()
     for _ in range(steps):
-        curvature = (direction * normal(direction)).sum()
+        bent = normal(direction)
+        curvature = (direction * bent).sum()
         if float(curvature) <= 0 or float(norm) == 0:
             break  # converged, or a direction the weights cannot see (padding rows)
         step = norm / curvature
         x = x + step * direction
-        residual = residual - step * normal(direction)
+        residual = residual - step * bent
         new_norm = (residual * residual).sum()
         direction = residual + (new_norm / norm) * direction
         norm = new_norm
@@ -112,7 +114,7 @@ def als_refine(matrix: torch.Tensor, cores: list[torch.Tensor], spec: TTSpec, gr
     if tuple(gram.shape) not in ((shape[0], shape[0]), (shape[0],)):
         raise ShapeError(expected(f"a {shape[0]} x {shape[0]} Gram matrix (or its diagonal)", tuple(gram.shape)))
     dtype = cores[0].dtype
-    work_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    work_dtype = compute_dtype(dtype)
     cores = [c.detach().to(work_dtype) for c in cores]
     matrix, gram = matrix.to(work_dtype), gram.to(work_dtype)
     target = _weigh(gram, matrix)
