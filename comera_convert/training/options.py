@@ -20,6 +20,12 @@ OBJECTIVES = ("auto", "mlm", "clm", "distill")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 
 
+def _check_share(name: str, value) -> None:
+    """A probability or fraction: a number in [0, 1) (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ConfigError(expected(f"{name} in [0, 1)", value))
+
+
 @dataclass
 class TrainOptions:
     objective: str = "auto"
@@ -93,12 +99,9 @@ class TrainOptions:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ConfigError(expected(f"{name} as a non-negative number", value))
-        if self.dropout is not None and (isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float))
-                                         or not 0 <= self.dropout < 1):
-            raise ConfigError(expected("dropout in [0, 1)", self.dropout))
-        if isinstance(self.document_starts, bool) or not isinstance(self.document_starts, (int, float)) \
-                or not 0 <= self.document_starts < 1:
-            raise ConfigError(expected("document_starts in [0, 1)", self.document_starts))
+        if self.dropout is not None:
+            _check_share("dropout", self.dropout)
+        _check_share("document_starts", self.document_starts)
         if not isinstance(self.gradient_checkpointing, bool):
             raise ConfigError(expected("gradient_checkpointing as true or false", self.gradient_checkpointing))
         if not 0 < self.target_fraction <= 1:
