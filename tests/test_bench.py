@@ -65,3 +65,33 @@ def test_bench_help_and_bad_device():
     if not torch.cuda.is_available():
         result = runner.invoke(main, ["bench", "layer", "--device", "cuda", "--quick"])
         assert result.exit_code == 1 and "no CUDA device" in result.output
+
+
+def test_chosen_variants_bring_their_dense_baselines():
+    from comera_convert.bench.models import chosen_variants, train_step_variants
+    from comera_convert.errors import ConfigError
+
+    assert chosen_variants("cpu") == train_step_variants("cpu")
+    assert chosen_variants("cpu", ["TT --ratio 4"]) == ["dense AdamW", "TT --ratio 4"]
+    assert chosen_variants("cpu", ["TT comera r30 + checkpointing"]) == [
+        "dense AdamW", "dense AdamW + checkpointing", "TT comera r30 + checkpointing"]
+    assert chosen_variants("cuda", ["TT --ratio 4 + CUDA graph"]) == [
+        "dense AdamW", "dense AdamW + CUDA graph", "TT --ratio 4 + CUDA graph"]
+    with pytest.raises(ConfigError, match=r"among 'dense AdamW', .*'TT r30, tt embedding'.* \(got 'TT --ratio 4 \+ CUDA graph'\)"):
+        chosen_variants("cpu", ["TT --ratio 4 + CUDA graph"])  # graphs are CUDA-only
+
+
+def test_bench_variant_option(tmp_path):
+    runner = CliRunner(env={"COLUMNS": "200"})
+    path = tmp_path / "bench.json"
+    result = runner.invoke(main, ["bench", "train-step", "--quick", "--variant", "dense AdamW", "--json", str(path)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["method"], r["shape"]) for r in rows] == [("dense AdamW", "batch 2 x seq 32"),
+                                                         ("dense AdamW", "batch 1 x seq 32")]
+    assert all("error" not in r and r["peak_mb"] > 0 for r in rows)
+    # Mistakes fail before anything runs, in one line.
+    result = runner.invoke(main, ["bench", "--quick", "--variant", "TT r40"])
+    assert result.exit_code == 1 and "(got 'TT r40')" in result.output and "bench:" not in result.output
+    result = runner.invoke(main, ["bench", "layer", "--quick", "--variant", "TT --ratio 4"])
+    assert result.exit_code == 1 and "--variant chooses train-step variants, and the cases are layer" in result.output

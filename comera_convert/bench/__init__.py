@@ -33,15 +33,17 @@ def machine() -> str:
     return f"{model}, {torch.get_num_threads()} threads"
 
 
-def run(cases, device: str, dtype: torch.dtype, quick: bool, repeats: int, progress=None) -> list[dict]:
+def run(cases, device: str, dtype: torch.dtype, quick: bool, repeats: int, progress=None,
+        variants=None) -> list[dict]:
     """The rows of each case in turn; ``progress(message)`` hears of each case, and of each variant of
-    the training step (minutes: one fresh process per variant)."""
+    the training step (minutes: one fresh process per variant); ``variants`` limits the training
+    step to those names and their dense baselines."""
     progress = progress or (lambda message: None)
     rows = []
     for name in cases:
         progress(name)
         case = CASES[name]
         if name == "train-step":
-            case = functools.partial(case, progress=progress)
+            case = functools.partial(case, progress=progress, variants=variants)
         rows.extend(case(device, dtype, quick, repeats))
     return rows

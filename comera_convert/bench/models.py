@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import ConfigError, expected
 from .timing import PeakMemory, median_seconds
 
 # The TT variants' conversions: CoMERA's configuration (every linear tt at ranks 30, embeddings
@@ -51,15 +52,37 @@ def bert_config(quick: bool):
     return BertConfig()  # bert-base: 12 layers, 768 hidden, 3072 FFN, 30522 vocab
 
 
-def save_variants(directory: Path, quick: bool) -> dict[str, str]:
-    """Random-weight checkpoints of the dense model and its TT conversions, by variant."""
+def train_step_variants(device: str) -> list[str]:
+    """Every variant the train-step case runs on ``device`` (graphed ones on CUDA only)."""
+    variants = list(TRAIN_VARIANTS) + [v + CHECKPOINT_SUFFIX for v in CHECKPOINTED_VARIANTS]
+    if device == "cuda":
+        variants += [v + GRAPH_SUFFIX for v in GRAPHED_VARIANTS]
+    return variants
+
+
+def chosen_variants(device: str, wanted=None) -> list[str]:
+    """The variants to run: all, or those ``wanted`` and the dense baselines they are compared with
+    (plain dense, and dense run the same way: checkpointed or graphed)."""
+    everything = train_step_variants(device)
+    if not wanted:
+        return everything
+    unknown = [name for name in wanted if name not in everything]
+    if unknown:
+        names = ", ".join(repr(name) for name in everything)  # quoted: some names hold a comma
+        raise ConfigError(expected(f"train-step variants on {device} among {names}", ", ".join(unknown)))
+    baselines = {"dense AdamW"} | {"dense AdamW" + split_variant(name)[1] for name in wanted}
+    return [v for v in everything if v in wanted or v in baselines]
+
+
+def save_variants(directory: Path, quick: bool, bases=TRAIN_VARIANTS) -> dict[str, str]:
+    """Random-weight checkpoints of the dense model and its TT conversions, by (base) variant."""
     from transformers import BertForMaskedLM
 
     import comera_convert
     from comera_convert.hf.saving import save_compressed
 
     paths = {}
-    for variant in TRAIN_VARIANTS:
+    for variant in bases:
         torch.manual_seed(0)
         model = BertForMaskedLM(bert_config(quick))
         path = directory / variant.replace(" ", "_").replace("-", "").replace(",", "")
@@ -138,17 +161,16 @@ def train_step_child(variant: str, path: str, batch: int, seq: int, device: str,
     return {"variant": variant, "seconds": seconds, "peak_bytes": peak.bytes, "params": params}
 
 
-def train_step_case(device: str, dtype, quick: bool, repeats: int, progress=None) -> list[dict]:
+def train_step_case(device: str, dtype, quick: bool, repeats: int, progress=None, variants=None) -> list[dict]:
+    """``variants``: names to run (with their dense baselines); None runs every one."""
     progress = progress or (lambda message: None)
     seq = 32 if quick else 128
     batches = [2, 1] if quick else ([32, 1] if device == "cuda" else [8, 1])
+    variants = chosen_variants(device, variants)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        paths = save_variants(Path(tmp), quick)
+        paths = save_variants(Path(tmp), quick, dict.fromkeys(split_variant(v)[0] for v in variants))
         for batch in batches:
-            variants = list(TRAIN_VARIANTS) + [v + CHECKPOINT_SUFFIX for v in CHECKPOINTED_VARIANTS]
-            if device == "cuda":
-                variants += [v + GRAPH_SUFFIX for v in GRAPHED_VARIANTS]
             results = {}
             for number, variant in enumerate(variants, 1):
                 progress(f"train-step, batch {batch}: {variant} ({number}/{len(variants)})")

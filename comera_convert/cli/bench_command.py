@@ -23,12 +23,16 @@ COLUMNS = ("method", "shape", "tokens", "ranks", "params_ratio", "flop_ratio", "
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32")
 @click.option("--repeats", type=int, default=None, help="Timed runs per measurement (median) [default: 5, quick 2].")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the rows as JSON.")
-def bench(cases, quick, device, dtype, repeats, json_path):
+@click.option("--variant", "variants", multiple=True, metavar="NAME",
+              help="train-step: run only this variant and the dense baselines it is compared with "
+                   "(repeatable), e.g. --variant 'TT --ratio 4 + CUDA graph'.")
+def bench(cases, quick, device, dtype, repeats, json_path, variants):
     """Measure CASES (default: all): layer, embedding, train-step, convert, inference."""
     import torch
     from rich.table import Table
 
     from .. import bench as benchmarks
+    from ..bench.models import chosen_variants
     from ..errors import ConfigError
     from ..hf.saving import write_text_atomic
 
@@ -36,6 +40,11 @@ def bench(cases, quick, device, dtype, repeats, json_path):
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available here")
+    cases = cases or CASE_NAMES
+    if variants:
+        if "train-step" not in cases:
+            raise ConfigError(f"--variant chooses train-step variants, and the cases are {', '.join(cases)}")
+        chosen_variants(device, variants)  # an unknown name fails now, not after the other cases
     repeats = repeats or (2 if quick else 5)
     out = console()
     with out.status("bench") as status:
@@ -45,7 +54,7 @@ def bench(cases, quick, device, dtype, repeats, json_path):
             else:  # a log file: one line per step, so a run cut short still shows how far it got
                 out.print(f"bench: {message}", highlight=False)
 
-        rows = benchmarks.run(cases or CASE_NAMES, device, getattr(torch, dtype), quick, repeats, progress)
+        rows = benchmarks.run(cases, device, getattr(torch, dtype), quick, repeats, progress, variants or None)
     out.print(f"machine: {benchmarks.machine()}, torch {torch.__version__}, {device}, {dtype}"
               + (" (--quick: smoke test)" if quick else ""))
     for case in dict.fromkeys(r["case"] for r in rows):
