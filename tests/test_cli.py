@@ -39,6 +39,7 @@ def test_convert_report_decompress(dense_dir, tmp_path):
     result = run("convert", dense_dir, "--ratio", "3", "--out", out)
     assert result.exit_code == 0, result.output
     assert f"wrote {out}" in result.output.replace("\n", "")
+    assert "tip: --calibration python-stdlib" in result.output  # plain TT-SVD: point to the data-aware init
     assert (out / "model.safetensors").is_file()
 
     report = json.loads(run("report", out, "--json").output)
@@ -171,6 +172,7 @@ def test_convert_with_calibration_records_it(dense_dir, tmp_path):
                  "--out", out)
     assert result.exit_code == 0, result.output
     assert "calibrate" in result.output and "rank allocation" in result.output
+    assert "tip:" not in result.output
     report = json.loads((out / "comera_report.json").read_text())
     assert report["extra"]["calibration"].startswith("16 sequences (1024 tokens)")  # 64 = the model's max positions
     assert report["extra"]["calibration"].endswith("token frequencies from 3000 tokens")  # all the text

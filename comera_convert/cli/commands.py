@@ -67,10 +67,10 @@ def convert(model, ratio, rank, layout, embedding_layout, d, targets, exclude, n
             bar.update(task_id, description=f"converting {name}", completed=index, total=total)
 
         result = convert_checkpoint(model, options, out, task=task, overwrite=overwrite, progress=on_module)
-    _print_conversion(result)
+    _print_conversion(result, calibrated=bool(options.calibration))
 
 
-def _print_conversion(result) -> None:
+def _print_conversion(result, calibrated: bool) -> None:
     from .render import modules_table, totals_table
 
     out = console()
@@ -80,6 +80,10 @@ def _print_conversion(result) -> None:
     calibrate = f"calibrate {t['calibrate']:.1f} s, " if "calibrate" in t else ""
     out.print(f"[green]wrote[/] {result.out}  (load {t['load']:.1f} s, {calibrate}convert {t['convert']:.1f} s, "
               f"save {t['save']:.1f} s)")
+    if not calibrated:  # plain TT-SVD of pretrained weights keeps little of the model's function
+        out.print(f"[dim]tip: --calibration python-stdlib (or your own text) fits each layer to real "
+                  f"activations, `comera eval {result.out}` measures the result (packaged MiniLM at "
+                  f"--ratio 4: held-out embedding cosine 0.05 plain, 0.71 calibrated)[/]")
 
 
 @main.command()
