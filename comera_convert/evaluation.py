@@ -64,6 +64,11 @@ def _nearest_neighbours(embeddings: torch.Tensor) -> torch.Tensor:
     return similarity.argmax(dim=-1)
 
 
+def embedding_cosines(compressed, reference, batch) -> torch.Tensor:
+    """Per text, the cosine between the two models' mean-pooled embeddings."""
+    return F.cosine_similarity(_embeddings(compressed, batch), _embeddings(reference, batch), dim=-1)
+
+
 def encoder_metrics(compressed, reference, batch) -> dict:
     ours, theirs = _embeddings(compressed, batch), _embeddings(reference, batch)
     cosine = F.cosine_similarity(ours, theirs, dim=-1)

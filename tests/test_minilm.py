@@ -105,6 +105,9 @@ def test_cli_distill_raises_the_held_out_cosine(minilm_tt4, tmp_path):
                                  "--lr-cores", "1e-3", "--lr-rest", "1e-4", "--out", str(trained)],
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "held-out sentence-embedding cosine to the teacher" in done.stdout
+    record = json.loads((trained / "comera_report.json").read_text())["extra"]["training"]
+    assert record["held_out_cosine_after"] > record["held_out_cosine_before"]  # on packed held-out blocks
     dense, _ = load_model("minilm")
     tokenizer = AutoTokenizer.from_pretrained(minilm_tt4)
     texts = held_out_texts()

@@ -76,6 +76,7 @@ def test_training_lowers_the_loss_prunes_ranks_and_exports_a_smaller_model(tmp_p
     print(f"{case}: held-out loss {result.held_out_before:.3f} -> {result.held_out_after:.3f}, "
           f"ratio {result.ratio_before:.2f} -> {result.ratio_after:.2f}")
     assert result.held_out_after < result.held_out_before
+    assert result.cosine_before is None and result.cosine_after is None  # a distilled encoder's figure only
     assert result.ratio_after > result.ratio_before  # ranks were pruned
     trained = comera_convert.from_pretrained(tmp_path / "out")
     assert count_params(trained) < count_params(before)
@@ -116,6 +117,12 @@ def test_distill_objective_uses_the_recorded_teacher(tmp_path, tokenizer, corpus
     result = train(str(path), options, tmp_path / "out")
     assert result.objective == "distill"
     assert result.held_out_after < result.held_out_before
+    # An encoder's distillation also reports the sentence-embedding cosine to the teacher.
+    print(f"held-out cosine {result.cosine_before:.4f} -> {result.cosine_after:.4f}")
+    assert -1 <= result.cosine_before < result.cosine_after <= 1
+    record = json.loads((tmp_path / "out" / "comera_report.json").read_text())["extra"]["training"]
+    assert (record["held_out_cosine_before"], record["held_out_cosine_after"]) == (result.cosine_before,
+                                                                                    result.cosine_after)
 
 
 class LearningRates(TrainerCallback):

@@ -109,4 +109,7 @@ def train(model, recipe, out, resume, overwrite, **values):
     printer.print(f"objective {result.objective}, {result.steps} steps: held-out loss "
                   f"{result.held_out_before:.4f} -> {result.held_out_after:.4f}; ratio "
                   f"{result.ratio_before:.2f}x -> {result.ratio_after:.2f}x")
+    if result.cosine_after is not None:
+        printer.print(f"held-out sentence-embedding cosine to the teacher {result.cosine_before:.3f} -> "
+                      f"{result.cosine_after:.3f} (packed blocks; `comera eval {result.out}` for texts as written)")
     printer.print(f"[green]wrote[/] {result.out} (curve: {result.out / 'training_curve.png'})")

@@ -43,6 +43,9 @@ class TrainResult:
     held_out_before: float
     held_out_after: float
     ranks: dict = field(default_factory=dict)
+    # Distilling an encoder: mean cosine of the student's and the teacher's sentence embeddings.
+    cosine_before: float | None = None
+    cosine_after: float | None = None
     report: object = None
 
 
@@ -84,6 +87,23 @@ def held_out_loss(model, blocks, objective, collate, teacher, batch_size: int) -
         losses.append(float(task_loss(objective, model, batch, teacher)))
     model.train(was_training)
     return sum(losses) / len(losses)
+
+
+@torch.no_grad()
+def held_out_cosine(model, teacher, blocks, batch_size: int) -> float:
+    """Mean cosine between the student's and the teacher's mean-pooled embeddings of the held-out
+    blocks: for a distilled encoder, the figure `comera eval` reports (here on packed blocks)."""
+    from ..evaluation import embedding_cosines
+
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    cosines = []
+    for start in range(0, len(blocks), batch_size):
+        ids = torch.stack(blocks[start:start + batch_size]).to(device)
+        cosines.append(embedding_cosines(model, teacher, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}))
+    model.train(was_training)
+    return float(torch.cat(cosines).mean())
 
 
 def set_dropout(model: torch.nn.Module, p: float) -> None:
@@ -173,6 +193,8 @@ def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, 
     if teacher is not None:
         teacher.to(args.device)
     before = held_out_loss(model.to(args.device), blocks.held_out, objective, collate, teacher, options.batch_size)
+    encoder = objective == "distill" and resolve_objective("auto", config) == "mlm" and bool(blocks.held_out)
+    cosine_before = held_out_cosine(model, teacher, blocks.held_out, options.batch_size) if encoder else None
     dataset = [{"input_ids": block, "index": i}
                for i, block in enumerate(with_document_starts(blocks, options.document_starts))]
     trainer = ComeraTrainer(model=model, args=args, train_dataset=dataset, data_collator=collate,
@@ -182,15 +204,18 @@ def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, 
     controller.prune()
     check_replicas_agree(controller)
     after = held_out_loss(model, blocks.held_out, objective, collate, teacher, options.batch_size)
+    cosine_after = held_out_cosine(model, teacher, blocks.held_out, options.batch_size) if encoder else None
 
     result = TrainResult(out=out, objective=objective, steps=trainer.state.global_step, ratio_before=ratio_before,
                          ratio_after=controller.ratio(), held_out_before=before, held_out_after=after,
-                         ranks=controller.ranks())
+                         ranks=controller.ranks(), cosine_before=cosine_before, cosine_after=cosine_after)
     if trainer.is_world_process_zero():
+        record = {"objective": objective, "steps": result.steps,
+                  "held_out_loss_before": before, "held_out_loss_after": after}
+        if encoder:
+            record.update(held_out_cosine_before=cosine_before, held_out_cosine_after=cosine_after)
         result.report = export(model, trainer.history, out, source=path,
-                               training={"objective": objective, "steps": result.steps,
-                                         "held_out_loss_before": before, "held_out_loss_after": after,
-                                         "options": options.to_dict()})
+                               training={**record, "options": options.to_dict()})
     return result
 
 
