@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, field, fields
@@ -72,37 +73,42 @@ def _load_teacher(options: TrainOptions, quantization: dict, student):
     return teacher.eval().requires_grad_(False)
 
 
-@torch.no_grad()
+@contextlib.contextmanager
+def evaluating(model):
+    """The model in eval mode without autograd for the block, then back in its mode; yields its device."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield next(model.parameters()).device
+    finally:
+        model.train(was_training)
+
+
 def held_out_loss(model, blocks, objective, collate, teacher, batch_size: int) -> float:
     if not blocks:
         return float("nan")
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
     losses = []
-    for start in range(0, len(blocks), batch_size):
-        batch = collate([{"input_ids": b, "index": -1 - start - i}
-                         for i, b in enumerate(blocks[start:start + batch_size])])
-        batch = {k: v.to(device) for k, v in batch.items()}
-        losses.append(float(task_loss(objective, model, batch, teacher)))
-    model.train(was_training)
+    with evaluating(model) as device:
+        for start in range(0, len(blocks), batch_size):
+            batch = collate([{"input_ids": b, "index": -1 - start - i}
+                             for i, b in enumerate(blocks[start:start + batch_size])])
+            batch = {k: v.to(device) for k, v in batch.items()}
+            losses.append(float(task_loss(objective, model, batch, teacher)))
     return sum(losses) / len(losses)
 
 
-@torch.no_grad()
 def held_out_cosine(model, teacher, blocks, batch_size: int) -> float:
     """Mean cosine between the student's and the teacher's mean-pooled embeddings of the held-out
     blocks: for a distilled encoder, the figure `comera eval` reports (here on packed blocks)."""
     from ..evaluation import embedding_cosines
 
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
     cosines = []
-    for start in range(0, len(blocks), batch_size):
-        ids = torch.stack(blocks[start:start + batch_size]).to(device)
-        cosines.append(embedding_cosines(model, teacher, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}))
-    model.train(was_training)
+    with evaluating(model) as device:
+        for start in range(0, len(blocks), batch_size):
+            ids = torch.stack(blocks[start:start + batch_size]).to(device)
+            batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+            cosines.append(embedding_cosines(model, teacher, batch))
     return float(torch.cat(cosines).mean())
 
 
