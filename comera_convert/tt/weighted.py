@@ -25,7 +25,7 @@ import torch
 
 from ..errors import ShapeError, expected
 from .als import als_refine
-from .decompose import _check_matrix, _interleave, _padded, compute_dtype, left_singular_vectors, pad_cores, tt_svd
+from .decompose import _check_matrix, _interleave, _padded, left_singular_vectors, pad_cores, tt_svd
 from .spec import TTSpec
 
 
@@ -174,7 +174,6 @@ def whitened_ttm_cores(matrix: torch.Tensor, spec: TTSpec, gram: torch.Tensor) -
     if tuple(gram.shape) != (spec.rows, spec.rows):
         raise ShapeError(expected(f"a {spec.rows} x {spec.rows} Gram matrix", tuple(gram.shape)))
     cores = scaled_ttm_cores(matrix, spec, gram.diagonal().clamp_min(0).sqrt())
-    work = compute_dtype(matrix.dtype)
     padded_gram = gram.new_zeros(spec.padded_rows, spec.padded_rows)  # padding rows carry no input
     padded_gram[: spec.rows, : spec.rows] = gram
-    return als_refine(_padded(matrix.detach().to(work), spec), cores, spec, padded_gram.to(work))
+    return als_refine(_padded(matrix.detach(), spec), cores, spec, padded_gram)  # in its compute dtype
