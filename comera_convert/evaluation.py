@@ -51,7 +51,8 @@ def _check_match(compressed, reference, reference_name: str) -> None:
 
 
 @torch.no_grad()
-def _embeddings(model, batch) -> torch.Tensor:
+def sentence_embeddings(model, batch) -> torch.Tensor:
+    """Mean-pooled last hidden states of a batch (input_ids, attention_mask), autograd off."""
     base = getattr(model, "base_model", model)
     hidden = base(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
     return mean_pool(hidden, batch["attention_mask"])
@@ -64,13 +65,8 @@ def _nearest_neighbours(embeddings: torch.Tensor) -> torch.Tensor:
     return similarity.argmax(dim=-1)
 
 
-def embedding_cosines(compressed, reference, batch) -> torch.Tensor:
-    """Per text, the cosine between the two models' mean-pooled embeddings."""
-    return F.cosine_similarity(_embeddings(compressed, batch), _embeddings(reference, batch), dim=-1)
-
-
 def encoder_metrics(compressed, reference, batch) -> dict:
-    ours, theirs = _embeddings(compressed, batch), _embeddings(reference, batch)
+    ours, theirs = sentence_embeddings(compressed, batch), sentence_embeddings(reference, batch)
     cosine = F.cosine_similarity(ours, theirs, dim=-1)
     agreement = (_nearest_neighbours(ours) == _nearest_neighbours(theirs)).float().mean()
     return {"mean_cosine": float(cosine.mean()), "min_cosine": float(cosine.min()),

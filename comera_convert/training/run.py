@@ -98,18 +98,25 @@ def held_out_loss(model, blocks, objective, collate, teacher, batch_size: int) -
     return sum(losses) / len(losses)
 
 
-def held_out_cosine(model, teacher, blocks, batch_size: int) -> float:
-    """Mean cosine between the student's and the teacher's mean-pooled embeddings of the held-out
-    blocks: for a distilled encoder, the figure `comera eval` reports (here on packed blocks)."""
-    from ..evaluation import embedding_cosines
+def held_out_embeddings(model, blocks, batch_size: int) -> torch.Tensor:
+    """The model's mean-pooled sentence embeddings of the held-out blocks, one row per block."""
+    from ..evaluation import sentence_embeddings
 
-    cosines = []
+    pooled = []
     with evaluating(model) as device:
         for start in range(0, len(blocks), batch_size):
             ids = torch.stack(blocks[start:start + batch_size]).to(device)
-            batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-            cosines.append(embedding_cosines(model, teacher, batch))
-    return float(torch.cat(cosines).mean())
+            pooled.append(sentence_embeddings(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}))
+    return torch.cat(pooled)
+
+
+def held_out_cosine(model, targets: torch.Tensor | None, blocks, batch_size: int) -> float | None:
+    """Mean cosine between the model's held-out embeddings and ``targets`` (the teacher's, computed
+    once): for a distilled encoder, the figure `comera eval` reports (here on packed blocks)."""
+    if targets is None:
+        return None
+    embeddings = held_out_embeddings(model, blocks, batch_size)
+    return float(torch.nn.functional.cosine_similarity(embeddings, targets, dim=-1).mean())
 
 
 def set_dropout(model: torch.nn.Module, p: float) -> None:
@@ -200,7 +207,9 @@ def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, 
         teacher.to(args.device)
     before = held_out_loss(model.to(args.device), blocks.held_out, objective, collate, teacher, options.batch_size)
     encoder = objective == "distill" and resolve_objective("auto", config) == "mlm" and bool(blocks.held_out)
-    cosine_before = held_out_cosine(model, teacher, blocks.held_out, options.batch_size) if encoder else None
+    # The frozen teacher's embeddings, once for the figures before and after training.
+    targets = held_out_embeddings(teacher, blocks.held_out, options.batch_size) if encoder else None
+    cosine_before = held_out_cosine(model, targets, blocks.held_out, options.batch_size)
     dataset = [{"input_ids": block, "index": i}
                for i, block in enumerate(with_document_starts(blocks, options.document_starts))]
     trainer = ComeraTrainer(model=model, args=args, train_dataset=dataset, data_collator=collate,
@@ -210,7 +219,7 @@ def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, 
     controller.prune()
     check_replicas_agree(controller)
     after = held_out_loss(model, blocks.held_out, objective, collate, teacher, options.batch_size)
-    cosine_after = held_out_cosine(model, teacher, blocks.held_out, options.batch_size) if encoder else None
+    cosine_after = held_out_cosine(model, targets, blocks.held_out, options.batch_size)
 
     result = TrainResult(out=out, objective=objective, steps=trainer.state.global_step, ratio_before=ratio_before,
                          ratio_after=controller.ratio(), held_out_before=before, held_out_after=after,
