@@ -112,6 +112,8 @@ def test_bad_input_is_one_line_and_non_zero(dense_dir, tmp_path):
          ["needs calibration data"]),
         (["convert", dense_dir, "--calibration", "python-stdlib", "--calibration-sequences", "0",
           "--out", tmp_path / "o9"], ["calibration_sequences as a positive integer"]),
+        (["convert", dense_dir, "--rank", "8", "--rank-multiple", "8", "--out", tmp_path / "o10"],
+         ["a fixed --rank 8 is used as given"]),
     ]
     for args, fragments in cases:
         _one_line_error(run(*args), *fragments)

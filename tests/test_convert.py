@@ -125,10 +125,39 @@ def test_a_meta_device_model_plans_what_a_real_one_gets(case):
     (dict(ratio=4, targets=["nothing.matches"]), ConfigError, "matches no Linear or Embedding"),
     (dict(ratio=50, targets=["query"]), RatioError, r"largest reachable ratio is \d+\.\d\d"),
     (dict(rank=0), ConfigError, "rank as a positive integer"),
+    (dict(ratio=4, rank_multiple=0), ConfigError, "rank_multiple as a positive integer"),
+    (dict(rank=30, rank_multiple=8), ConfigError, "a fixed --rank 30 is used as given"),
 ])
 def test_bad_options_say_what_was_expected(kwargs, error, message):
     with pytest.raises(error, match=message):
         comera_convert.convert(build("bert"), **kwargs)
+
+
+def test_rank_multiple_rounds_the_ranks_a_ratio_chooses():
+    """bert-base planned on the meta device: --ratio 4 picks shared rank 163; with rank_multiple 8
+    every bond is a multiple of 8 unless the shape caps it lower, and the ratio still holds."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    def plan(**kwargs):
+        with torch.device("meta"):
+            model = BertForMaskedLM(BertConfig())
+        report = comera_convert.convert(model, ratio=4, **kwargs)
+        return report, [m.spec for m in model.modules() if isinstance(m, (TTLinear, TTEmbedding))]
+
+    plain, _ = plan()
+    report, specs = plan(rank_multiple=8)
+    assert report.shared_rank % 8 == 0 and plain.shared_rank - 8 < report.shared_rank <= plain.shared_rank
+    assert report.ratio >= 4 and report.extra["rank_multiple"] == 8
+    for spec in specs:
+        assert all(r % 8 == 0 or r == cap for r, cap in zip(spec.ranks, spec.max_ranks)), spec.ranks
+    assert any(r > report.shared_rank for spec in specs for r in spec.ranks if r % 8 == 0)  # the budget's rest
+
+
+def test_rank_multiple_does_not_apply_to_the_sensitivity_ladder():
+    from comera_convert.conversion.options import ConvertOptions
+
+    with pytest.raises(ConfigError, match="climbs its own ladder"):
+        ConvertOptions(ratio=4, calibration="python-stdlib", allocation="sensitivity", rank_multiple=8)
 
 
 def test_converting_twice_is_refused():

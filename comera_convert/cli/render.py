@@ -53,7 +53,8 @@ def totals_table(report, disk_bytes: int | None = None) -> Table:
         table.add_row("shared max rank", str(report.shared_rank))
     extra = report.extra or {}
     if "allocation" in extra:
-        table.add_row("rank allocation", extra["allocation"].split(":")[0])
+        multiple = f", multiples of {extra['rank_multiple']}" if extra.get("rank_multiple") else ""
+        table.add_row("rank allocation", extra["allocation"].split(":")[0] + multiple)
     if "calibration" in extra:
         table.add_row("calibration", extra["calibration"])
     if disk_bytes is not None:

@@ -6,7 +6,8 @@ A single maximum rank r is shared by all converted layers (each clipped to what 
 allows, as CoMERA uses rank 30 everywhere); r is the largest value whose model still meets the
 ratio, found by bisection since the parameter count grows with r. A layer whose TT form at r
 would not be smaller than the dense one stays dense. The budget left over then
-lifts the largest layers to rank r + 1, one at a time, while the ratio still holds.
+lifts the largest layers to the next rank, one at a time, while the ratio still holds. With a
+rank multiple m (tensor-core friendly shapes), r and the next rank are multiples of m.
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ class LayoutChoice:
     embedding: str = "tt"
     d: int = 3
     gates: bool = True
+    rank_multiple: int = 1  # chosen ranks are multiples of this (tensor-core friendly at 8)
+
+    def rounded(self, rank: float) -> int:
+        """``rank`` rounded to the nearest multiple of ``rank_multiple`` (at least one multiple)."""
+        return max(1, round(rank / self.rank_multiple)) * self.rank_multiple
 
     def spec(self, candidate: Candidate, rank) -> TTSpec:
         layout = self.embedding if candidate.kind == "embedding" else self.linear
@@ -51,38 +57,43 @@ def spec_if_smaller(candidate: Candidate, rank, choice: LayoutChoice) -> TTSpec 
 
 
 def specs_at_rank(candidates, rank: int, choice: LayoutChoice, scale=None) -> list[TTSpec | None]:
-    """Every candidate's spec at ``rank``, or at round(scale(candidate) * rank) when a scale is given."""
+    """Every candidate's spec at ``rank``, or at scale(candidate) * rank rounded to the choice's rank
+    multiple when a scale is given."""
     if scale is None:
         return [spec_if_smaller(c, rank, choice) for c in candidates]
-    return [spec_if_smaller(c, max(1, round(scale(c) * rank)), choice) for c in candidates]
+    return [spec_if_smaller(c, choice.rounded(scale(c) * rank), choice) for c in candidates]
 
 
 def allocate_ranks(candidates: list[Candidate], total_params: int, ratio: float,
                    choice: LayoutChoice, scale=None) -> tuple[list[TTSpec | None], int]:
-    """Specs meeting ``ratio`` with the largest shared rank, and that rank. A layer that TT would
-    not make smaller at that rank gets None (it stays dense). ``scale(candidate)``, when given,
-    multiplies the shared rank per layer (``measured.py`` searches it).
+    """Specs meeting ``ratio`` with the largest shared rank (a multiple of the choice's
+    ``rank_multiple``), and that rank. A layer that TT would not make smaller at that rank gets None
+    (it stays dense). ``scale(candidate)``, when given, multiplies the shared rank per layer
+    (``measured.py`` searches it).
 
-    Raises RatioError, naming the largest reachable ratio, when even rank 1 is not enough.
+    Raises RatioError, naming the largest reachable ratio, when even the smallest rank is not enough.
     """
+    step = choice.rank_multiple
+
     def ratio_at(rank: int) -> float:
         specs = specs_at_rank(candidates, rank, choice, scale)
         return total_params / model_params_with(candidates, specs, total_params, choice)
 
-    best = ratio_at(1)
+    best = ratio_at(step)
     if best < ratio:
         raise RatioError(f"ratio {ratio:g} cannot be reached with these targets: the largest reachable "
-                         f"ratio is {best:.2f} (every converted layer at rank 1)")
-    high = max(max(choice.spec(c, 1).max_ranks) for c in candidates)
-    low = 1  # invariant: ratio_at(low) >= ratio
+                         f"ratio is {best:.2f} (every converted layer at rank {step})")
+    high = max(1, max(max(choice.spec(c, 1).max_ranks) for c in candidates) // step)
+    low = 1  # in multiples of step; invariant: ratio_at(low * step) >= ratio
     while low < high:
         mid = (low + high + 1) // 2
-        if ratio_at(mid) >= ratio:
+        if ratio_at(mid * step) >= ratio:
             low = mid
         else:
             high = mid - 1
-    return _fill_towards(candidates, specs_at_rank(candidates, low, choice, scale),
-                         specs_at_rank(candidates, low + 1, choice, scale), total_params, ratio, choice), low
+    rank = low * step
+    return _fill_towards(candidates, specs_at_rank(candidates, rank, choice, scale),
+                         specs_at_rank(candidates, rank + step, choice, scale), total_params, ratio, choice), rank
 
 
 def _fill_towards(candidates, specs, next_specs, total_params: int, ratio: float,
