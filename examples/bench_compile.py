@@ -17,7 +17,8 @@ import torch
 from transformers import BertConfig, BertForMaskedLM
 
 import comera_convert
-from comera_convert.bench.models import graphed
+from comera_convert.bench.models import training_step
+from comera_convert.bench.timing import graphed
 from comera_convert.bench.timing import median_seconds
 
 CONVERSIONS = {"dense": None, "r30": {"rank": 30}, "ratio4": {"ratio": 4}}
@@ -43,13 +44,7 @@ def main():
     forward = model if capture else torch.compile(model, mode="reduce-overhead")
     ids = torch.randint(0, model.config.vocab_size, (args.batch, 128), device="cuda")
 
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", torch.bfloat16, enabled=args.bf16):
-            loss = forward(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-
+    step = training_step(forward, optimizer, ids, torch.bfloat16 if args.bf16 else torch.float32)
     started = time.perf_counter()
     run = graphed(step) if capture else step
     if not capture:

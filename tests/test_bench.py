@@ -95,3 +95,28 @@ def test_bench_variant_option(tmp_path):
     assert result.exit_code == 1 and "(got 'TT r40')" in result.output and "bench:" not in result.output
     result = runner.invoke(main, ["bench", "layer", "--quick", "--variant", "TT --ratio 4"])
     assert result.exit_code == 1 and "--variant chooses train-step variants, and the cases are layer" in result.output
+
+
+def test_bfloat16_training_step_keeps_float32_weights_under_autocast():
+    """`comera bench --dtype bfloat16` trains as `comera train --bf16` does: the layers compute in
+    bfloat16, the weights and their update stay float32."""
+    import torch
+    from transformers import BertConfig, BertForMaskedLM
+
+    import comera_convert
+    from comera_convert.bench.models import training_step, training_dtype_name
+
+    torch.manual_seed(0)
+    model = BertForMaskedLM(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                       intermediate_size=64, vocab_size=100))
+    comera_convert.convert(model, rank=4)
+    outputs = []
+    model.bert.encoder.layer[0].intermediate.dense.register_forward_hook(lambda m, a, out: outputs.append(out.dtype))
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    training_step(model, optimizer, torch.randint(0, 100, (2, 8)), torch.bfloat16)()
+    assert outputs == [torch.bfloat16]
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert sum(not torch.equal(old, p) for old, p in zip(before, model.parameters())) > len(before) / 2
+    assert training_dtype_name(torch.bfloat16) == "bfloat16 autocast"
+    assert training_dtype_name(torch.float32) == "float32"

@@ -61,7 +61,7 @@ def test_compiled_layer_matches_eager():
 
 def test_cuda_graph_training_step_replays_the_eager_step():
     """The bench's captured step: replaying it trains exactly as running it eagerly does."""
-    from comera_convert.bench.models import graphed
+    from comera_convert.bench.timing import graphed
 
     def setup():
         model = build("bert-mlm")

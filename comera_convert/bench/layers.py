@@ -10,7 +10,7 @@ from torch import nn
 from ..layers import TTEmbedding, TTLinear
 from ..tt import linear_forward_flops, num_params
 from ..tt.counting import dense_linear_flops
-from .timing import PeakMemory, median_seconds
+from .timing import PeakMemory, graphed, median_seconds
 
 COMERA_RANK = 30  # CoMERA's linear configuration: tt layout, 3 + 3 modes, internal ranks 30
 LAYER_SHAPES = [(768, 768), (768, 3072), (3072, 768), (4096, 11008)]
@@ -41,6 +41,14 @@ def _fwd_bwd(layer, x, grad):
     return step
 
 
+def _timings(layer, x, grad, device: str, repeats: int) -> tuple[float, float | None]:
+    """(eager, CUDA-graph replay) seconds of one fwd+bwd; the graph on CUDA only. Eager CUDA timings
+    of small layers measure the host launching kernels; the replay measures the GPU's work."""
+    step = _fwd_bwd(layer, x, grad)
+    eager = median_seconds(step, repeats, device=device)
+    return eager, (median_seconds(graphed(step), repeats, device=device) if device == "cuda" else None)
+
+
 def layer_case(device: str, dtype: torch.dtype, quick: bool, repeats: int) -> list[dict]:
     tokens = 128 if quick else (4096 if device == "cuda" else 1024)
     shapes = QUICK_SHAPES if quick else [s for s in LAYER_SHAPES if device == "cuda" or s[0] * s[1] < 4e7]
@@ -50,27 +58,32 @@ def layer_case(device: str, dtype: torch.dtype, quick: bool, repeats: int) -> li
         dense = nn.Linear(rows_in, cols_out, device=device, dtype=dtype)
         x = torch.randn(tokens, rows_in, device=device, dtype=dtype, requires_grad=True)
         grad = torch.randn(tokens, cols_out, device=device, dtype=dtype)
-        dense_time = median_seconds(_fwd_bwd(dense, x, grad), repeats, device=device)
+        dense_times = _timings(dense, x, grad, device, repeats)
         dense_flops = dense_linear_flops(rows_in, cols_out, tokens)
         for name, rank in configs:
             tt = TTLinear.from_linear(dense, rank=rank)
-            tt_time = median_seconds(_fwd_bwd(tt, x, grad), repeats, device=device)
             flop_ratio = dense_flops / linear_forward_flops(tt.spec, tokens)
             rows.append(_layer_row(f"TTLinear {name}", device, dtype, rows_in, cols_out, tokens, tt.spec.ranks,
-                                   rows_in * cols_out / num_params(tt.spec), flop_ratio, dense_time / tt_time))
-            rows.extend(_peer_row(dense, rank, x, grad, dense_time, name, device, dtype, tokens, repeats,
+                                   rows_in * cols_out / num_params(tt.spec), flop_ratio, dense_times,
+                                   _timings(tt, x, grad, device, repeats)))
+            rows.extend(_peer_row(dense, rank, x, grad, dense_times, name, device, dtype, tokens, repeats,
                                   num_params(tt.spec)))
     return rows
 
 
-def _layer_row(method, device, dtype, rows_in, cols_out, tokens, ranks, params_ratio, flop_ratio, speedup):
-    return {"case": "layer", "method": method, "device": device, "dtype": str(dtype).replace("torch.", ""),
-            "shape": f"{rows_in}x{cols_out}", "tokens": tokens, "ranks": list(ranks),
-            "params_ratio": round(params_ratio, 2), "flop_ratio": round(flop_ratio, 2),
-            "speedup": round(speedup, 2), "speedup_per_flop_ratio": round(speedup / flop_ratio, 2)}
+def _layer_row(method, device, dtype, rows_in, cols_out, tokens, ranks, params_ratio, flop_ratio, dense_times,
+               times):
+    row = {"case": "layer", "method": method, "device": device, "dtype": str(dtype).replace("torch.", ""),
+           "shape": f"{rows_in}x{cols_out}", "tokens": tokens, "ranks": list(ranks),
+           "params_ratio": round(params_ratio, 2), "flop_ratio": round(flop_ratio, 2)}
+    for column, dense_seconds, seconds in zip(("speedup", "graph_speedup"), dense_times, times):
+        if seconds is not None:
+            row[column] = round(dense_seconds / seconds, 2)
+            row[f"{column}_per_flop_ratio"] = round(dense_seconds / seconds / flop_ratio, 2)
+    return row
 
 
-def _peer_row(dense, rank, x, grad, dense_time, name, device, dtype, tokens, repeats, tt_params):
+def _peer_row(dense, rank, x, grad, dense_times, name, device, dtype, tokens, repeats, tt_params):
     """tensorly-torch's FactorizedLinear (block TT) at about the same parameter count, when installed."""
     try:
         import tltorch
@@ -81,11 +94,11 @@ def _peer_row(dense, rank, x, grad, dense_time, name, device, dtype, tokens, rep
     peer = tltorch.FactorizedLinear.from_linear(copy.deepcopy(dense).float(), n_tensorized_modes=3,
                                                 factorization="blocktt", rank=min(1.0, tt_params / params))
     peer = peer.to(device=device, dtype=dtype)
-    peer_time = median_seconds(_fwd_bwd(peer, x, grad), repeats, device=device)
     peer_params = sum(p.numel() for p in peer.parameters() if p is not getattr(peer, "bias", None))
     flops = 2 * tokens * dense.in_features * dense.out_features  # it rebuilds W, then one dense GEMM
     return [_layer_row(f"tltorch blocktt ~{name}", device, dtype, dense.in_features, dense.out_features, tokens,
-                       [], params / peer_params, 2 * tokens * params / flops, dense_time / peer_time)]
+                       [], params / peer_params, 2 * tokens * params / flops, dense_times,
+                       _timings(peer, x, grad, device, repeats))]
 
 
 def embedding_case(device: str, dtype: torch.dtype, quick: bool, repeats: int) -> list[dict]:

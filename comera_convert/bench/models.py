@@ -16,18 +16,20 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError, expected
-from .timing import PeakMemory, median_seconds
+from .timing import PeakMemory, graphed, median_seconds
 
 # The TT variants' conversions: CoMERA's configuration (every linear tt at ranks 30, embeddings
 # ttm at rank 30, as recipes/comera-rank30.yaml), the same ranks with the converter's tt
 # embeddings (whose tied head runs through the halves), and a default `--ratio 4` conversion.
+# On CUDA also `--ratio 4 --rank-multiple 8`: ranks GPU tensor cores take whole (bf16 GEMMs).
 TT_CONVERSIONS = {"TT comera r30": {"rank": 30, "embedding_layout": "ttm"},
                   "TT r30, tt embedding": {"rank": 30},
-                  "TT --ratio 4": {"ratio": 4}}
-TRAIN_VARIANTS = ("dense AdamW", "GaLore AdamW r128", *TT_CONVERSIONS)
+                  "TT --ratio 4": {"ratio": 4},
+                  "TT --ratio 4, ranks of 8": {"ratio": 4, "rank_multiple": 8}}
+TRAIN_VARIANTS = ("dense AdamW", "GaLore AdamW r128", "TT comera r30", "TT r30, tt embedding", "TT --ratio 4")
 # On CUDA the whole step (forward, backward, AdamW) is also captured once and replayed as one CUDA graph.
 GRAPH_SUFFIX = " + CUDA graph"
-GRAPHED_VARIANTS = ("dense AdamW", "TT comera r30", "TT r30, tt embedding", "TT --ratio 4")
+GRAPHED_VARIANTS = ("dense AdamW", "TT comera r30", "TT r30, tt embedding", "TT --ratio 4", "TT --ratio 4, ranks of 8")
 # Activation checkpointing (transformers' gradient checkpointing, per layer): each layer's
 # activations are recomputed in backward instead of kept, trading time for memory. Measured for
 # the baselines too, so that each is compared with its own kind.
@@ -95,9 +97,9 @@ def save_variants(directory: Path, quick: bool, bases=TRAIN_VARIANTS) -> dict[st
     return paths
 
 
-def load_variant(variant: str, path: str, device: str, dtype, capturable: bool = False):
-    """(model, optimizer) for one training-step variant (``capturable``: AdamW state on the device,
-    as CUDA-graph capture needs)."""
+def load_variant(variant: str, path: str, device: str, capturable: bool = False):
+    """(model, optimizer) for one training-step variant, float32 weights (``capturable``: AdamW state
+    on the device, as CUDA-graph capture needs)."""
     import comera_convert
 
     if variant in TT_CONVERSIONS:
@@ -106,7 +108,7 @@ def load_variant(variant: str, path: str, device: str, dtype, capturable: bool =
         from transformers import BertForMaskedLM
 
         model = BertForMaskedLM.from_pretrained(path)
-    model.to(device=device, dtype=dtype).train()
+    model.to(device).train()
     if variant.startswith("GaLore"):
         from galore_torch import GaLoreAdamW
 
@@ -123,39 +125,33 @@ def load_variant(variant: str, path: str, device: str, dtype, capturable: bool =
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=capturable)
 
 
-def graphed(step, warmup: int = 3):
-    """``step`` captured once as a CUDA graph; the returned callable replays it (same tensors, no
-    Python or kernel-launch overhead). Warm-up runs on a side stream first, as capture requires."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
+def training_step(model, optimizer, ids, compute_dtype=torch.float32):
+    """The measured step: a masked-LM loss on ``ids``, its backward and the optimizer's step. A
+    ``compute_dtype`` other than float32 trains as `comera train --bf16` does: the weights and the
+    optimizer state stay float32, the forward and the loss run under autocast."""
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(ids.device.type, compute_dtype, enabled=compute_dtype != torch.float32):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+    return step
 
 
 def train_step_child(variant: str, path: str, batch: int, seq: int, device: str, dtype_name: str,
                      repeats: int) -> dict:
     """One variant in a fresh process: its peak memory above the post-import baseline covers the
-    weights, gradients, optimizer state and activations of training."""
-    dtype = getattr(torch, dtype_name)
+    weights, gradients, optimizer state and activations of training (in ``dtype_name`` under
+    autocast, see ``training_step``: casting the weights would measure another training)."""
+    compute_dtype = getattr(torch, dtype_name)
     base, suffix = split_variant(variant)
     with_graph = suffix == GRAPH_SUFFIX
     with PeakMemory(device) as peak:
-        model, optimizer = load_variant(base, path, device, dtype, capturable=with_graph)
+        model, optimizer = load_variant(base, path, device, capturable=with_graph)
         if suffix == CHECKPOINT_SUFFIX:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
-
-        def step():
-            optimizer.zero_grad(set_to_none=True)
-            model(input_ids=ids, labels=ids).loss.backward()
-            optimizer.step()
-
+        step = training_step(model, optimizer, ids, compute_dtype)
         seconds = median_seconds(graphed(step) if with_graph else step, repeats, warmup=1, device=device)
     params = sum(p.numel() for p in model.parameters())
     return {"variant": variant, "seconds": seconds, "peak_bytes": peak.bytes, "params": params}
@@ -188,7 +184,7 @@ def _train_rows(results: dict, batch: int, seq: int, device: str, dtype) -> list
         suffix = split_variant(variant)[1]
         dense = results.get("dense AdamW" + suffix, results["dense AdamW"])
         galore = results.get("GaLore AdamW r128" + suffix, results.get("GaLore AdamW r128"))
-        row = {"case": "train-step", "method": variant, "device": device, "dtype": str(dtype).replace("torch.", ""),
+        row = {"case": "train-step", "method": variant, "device": device, "dtype": training_dtype_name(dtype),
                "shape": f"batch {batch} x seq {seq}", "params": result.get("params")}
         if "error" in result or "error" in dense:
             rows.append({**row, "error": result.get("error") or dense.get("error")})
@@ -202,6 +198,12 @@ def _train_rows(results: dict, batch: int, seq: int, device: str, dtype) -> list
                        memory_vs_galore=round(galore["peak_bytes"] / max(result["peak_bytes"], 1), 2))
         rows.append(row)
     return rows
+
+
+def training_dtype_name(dtype) -> str:
+    """How the train-step case trains in ``dtype``: "float32", or "bfloat16 autocast"."""
+    name = str(dtype).replace("torch.", "")
+    return name if dtype == torch.float32 else f"{name} autocast"
 
 
 def _run_child(variant, path, batch, seq, device, dtype, repeats) -> dict:
@@ -224,7 +226,8 @@ def inference_case(device: str, dtype, quick: bool, repeats: int) -> list[dict]:
     torch.manual_seed(0)
     dense = BertModel(bert_config(quick)).to(device=device, dtype=dtype).eval()
     models = {"dense": dense}
-    for name in ("TT --ratio 4", "TT comera r30"):  # no head here: the embedding's layout barely matters
+    names = ["TT --ratio 4", "TT comera r30"] + (["TT --ratio 4, ranks of 8"] if device == "cuda" else [])
+    for name in names:  # no head here: the embedding's layout barely matters
         kwargs = TT_CONVERSIONS[name]
         model = BertModel(bert_config(quick)).to(device=device, dtype=dtype).eval()
         comera_convert.convert(model, **kwargs)

@@ -12,6 +12,7 @@ from .console import console
 
 CASE_NAMES = ("layer", "embedding", "train-step", "convert", "inference")
 COLUMNS = ("method", "shape", "tokens", "ranks", "params_ratio", "flop_ratio", "speedup", "speedup_per_flop_ratio",
+           "graph_speedup", "graph_speedup_per_flop_ratio",
            "ms", "seconds", "tokens_per_s", "peak_mb", "speed_vs_dense", "memory_vs_dense", "speed_vs_galore",
            "memory_vs_galore", "time_vs_load_save", "error")
 
@@ -20,7 +21,9 @@ COLUMNS = ("method", "shape", "tokens", "ranks", "params_ratio", "flop_ratio", "
 @click.argument("cases", nargs=-1, type=click.Choice(CASE_NAMES))
 @click.option("--quick", is_flag=True, help="Tiny shapes and few repeats: a smoke test, not a measurement.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32",
+              help="Weights and inputs in this dtype; train-step keeps float32 weights and runs bfloat16 "
+                   "under autocast, as comera train --bf16 does.")
 @click.option("--repeats", type=int, default=None, help="Timed runs per measurement (median) [default: 5, quick 2].")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the rows as JSON.")
 @click.option("--variant", "variants", multiple=True, metavar="NAME",
@@ -55,7 +58,8 @@ def bench(cases, quick, device, dtype, repeats, json_path, variants):
                 out.print(f"bench: {message}", highlight=False)
 
         rows = benchmarks.run(cases, device, getattr(torch, dtype), quick, repeats, progress, variants or None)
-    out.print(f"machine: {benchmarks.machine()}, torch {torch.__version__}, {device}, {dtype}"
+    autocast = " (train-step: float32 weights under autocast)" if dtype != "float32" and "train-step" in cases else ""
+    out.print(f"machine: {benchmarks.machine()}, torch {torch.__version__}, {device}, {dtype}{autocast}"
               + (" (--quick: smoke test)" if quick else ""))
     for case in dict.fromkeys(r["case"] for r in rows):
         case_rows = [r for r in rows if r["case"] == case]
