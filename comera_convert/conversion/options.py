@@ -43,10 +43,11 @@ class ConvertOptions:
     # scales searched end to end on the calibration text; conversion/measured.py) or "sensitivity"
     # (per layer, from the calibration data's error estimates; conversion/sensitivity.py).
     allocation: str = "uniform"
-    # The ranks --ratio chooses are rounded down to a multiple of this (uniform and measured
-    # allocations). 8 suits GPU tensor cores in bf16: on an H100 a 4096x11008 layer at rank 160
-    # ran its fwd+bwd 2.5x faster than at rank 163 (graphed; float32 no different). 1 spends the
-    # whole budget, as the quality figures in BENCHMARKS.md were measured.
+    # The ranks --ratio chooses are multiples of this (uniform allocation: the shared rank rounded
+    # down; measured: each scaled rank to the nearest). 8 suits GPU tensor cores in bf16: on an
+    # H100 a 4096x11008 layer at rank 160 ran its fwd+bwd 2.5x faster than at rank 163 (graphed;
+    # float32 no different). 1 spends the whole budget, as the quality figures in BENCHMARKS.md
+    # were measured.
     rank_multiple: int = 1
     version: int = 1
 
