@@ -75,18 +75,16 @@ class ConvertOptions:
         if self.allocation != "uniform" and self.rank is not None:
             raise ConfigError(f"allocation {self.allocation!r} splits a --ratio budget between layers; it does "
                               f"not apply to a fixed --rank {self.rank}")
-        if isinstance(self.rank_multiple, bool) or not isinstance(self.rank_multiple, int) or self.rank_multiple < 1:
-            raise ConfigError(expected("rank_multiple as a positive integer", self.rank_multiple))
+        for name in ("calibration_sequences", "calibration_seq_len", "rank_multiple"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(expected(f"{name} as a positive integer", value))
         if self.rank_multiple != 1 and self.rank is not None:
             raise ConfigError(f"rank_multiple rounds the ranks a --ratio budget chooses; a fixed --rank "
                               f"{self.rank} is used as given")
         if self.rank_multiple != 1 and self.allocation == "sensitivity":
             raise ConfigError("rank_multiple applies to the uniform and measured allocations; the "
                               "sensitivity allocation climbs its own ladder of ranks")
-        for name in ("calibration_sequences", "calibration_seq_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(expected(f"{name} as a positive integer", value))
         if self.calibration is not None and (not isinstance(self.calibration, str) or not self.calibration):
             raise ConfigError(expected("calibration as a data source (a path, dataset name or python-stdlib)",
                                        self.calibration))
