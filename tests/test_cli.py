@@ -140,7 +140,8 @@ def test_train_help_names_follow_training_arguments():
     result = run("train", "--help")
     assert result.exit_code == 0
     for name in ("--max-steps", "--per-device-train-batch-size", "--gradient-accumulation-steps",
-                 "--logging-steps", "--save-steps", "--seed", "--bf16", "--resume", "--target-ratio"):
+                 "--logging-steps", "--save-steps", "--seed", "--bf16", "--resume", "--target-ratio",
+                 "--rank-multiple"):
         assert name in result.output
 
 
@@ -157,6 +158,8 @@ def test_train_bad_input_is_one_line(dense_dir, tmp_path):
     _one_line_error(run("train", out, "--data", tmp_path / "missing.txt", "--out", tmp_path / "t2"),
                     "no such file or directory")
     _one_line_error(run("train", out, "--steps", "0", "--out", tmp_path / "t3"), "steps as a positive integer")
+    _one_line_error(run("train", out, "--rank-multiple", "0", "--out", tmp_path / "t5"),
+                    "rank_multiple as a positive integer")
     _one_line_error(run("train", out, "--target-ratio", "1.2", "--data", "python-stdlib", "--steps", "2",
                         "--out", tmp_path / "t4"), "lower than the model's current ratio")
 

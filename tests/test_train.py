@@ -1,6 +1,7 @@
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -13,7 +14,7 @@ import comera_convert
 from comera_convert.conversion import count_params
 from comera_convert.errors import ComeraError, ConfigError
 from comera_convert.training import TrainOptions, train
-from comera_convert.training.rank_control import RankController
+from comera_convert.training.rank_control import RankController, whole_multiples
 from comera_convert.training.data import Blocks
 from comera_convert.training.run import set_dropout, with_document_starts
 from comera_convert.training.trainer import fused_adamw_applies
@@ -108,6 +109,53 @@ def test_gates_shrink_and_stage_switch_fixes_a_target(tmp_path, tokenizer):
         first = controller.modules[0][1].gates[0]
         first[0] = 0.001
     assert controller.prune() == 1 and controller.size() < size
+
+
+def test_whole_multiples_close_the_weakest_candidates_down_to_a_multiple():
+    gate = torch.tensor([0.5, 0.002, 0.001, 0.9, 0.004, 0.003, 0.7, 0.006, 0.8, 0.005])
+    is_open = torch.ones(10, dtype=torch.bool)
+    candidates = gate < 0.01  # six, leaving four open
+    assert torch.equal(whole_multiples(candidates, is_open, gate, 4), candidates)  # 4 is a multiple
+    # Multiples of 3: six stay open, so the four weakest close and 0.005, 0.006 stay.
+    closing = whole_multiples(candidates, is_open, gate, 3)
+    assert torch.equal(closing, gate <= 0.004)
+    # One candidate cannot bring 10 open entries to a lower multiple of 4: none closes.
+    one = gate == 0.001
+    assert not whole_multiples(one, is_open, gate, 4).any()
+    # Closed entries count for nothing: 8 open, 5 candidates -> 4 stay open; 0.006 is spared.
+    is_open[:2] = False
+    candidates = is_open & (gate < 0.01)
+    assert torch.equal(whole_multiples(candidates, is_open, gate, 4), candidates & (gate < 0.006))
+
+
+def test_pruning_in_multiples_keeps_open_ranks_multiples(tmp_path, tokenizer):
+    model = comera_convert.from_pretrained(compressed(tmp_path, tokenizer))
+    controller = RankController(model, TrainOptions(rank_multiple=4), dense_params=10 ** 6)
+    _, module = max(controller.modules, key=lambda item: max(item[1].bond_dims))
+    bond = max(range(len(module.bond_dims)), key=lambda k: module.bond_dims[k])
+    size = module.bond_dims[bond]
+    assert size >= 8
+    with torch.no_grad():
+        gate = module.gates[bond]
+        gate[: size - 1] = torch.linspace(1e-4, 5e-3, size - 1)  # all but one below tau
+    closed = controller.prune()
+    assert module.ranks[bond] == 4  # the strongest three below tau are kept with the last open one
+    assert closed == size - 4
+    assert torch.equal(module.gates[bond][size - 4:size - 1] != 0, torch.ones(3, dtype=torch.bool))
+
+
+def test_training_in_rank_multiples_exports_multiples(tmp_path, tokenizer, corpus):
+    path = compressed(tmp_path, tokenizer)
+    before = [m.bond_dims for m in comera_convert.from_pretrained(path).modules()
+              if isinstance(m, comera_convert.TTModule)]
+    options = TrainOptions(objective="mlm", data=str(corpus), rank_multiple=4, **FAST)
+    result = train(str(path), options, tmp_path / "out")
+    assert result.ratio_after > result.ratio_before
+    after = [m.bond_dims for m in comera_convert.from_pretrained(tmp_path / "out").modules()
+             if isinstance(m, comera_convert.TTModule)]
+    pruned = [(a, b) for dims_after, dims_before in zip(after, before)
+              for a, b in zip(dims_after, dims_before) if a != b]
+    assert pruned and all(a % 4 == 0 for a, _ in pruned), pruned
 
 
 def test_distill_objective_uses_the_recorded_teacher(tmp_path, tokenizer, corpus):
@@ -271,6 +319,12 @@ def test_a_dropout_outside_zero_to_one_is_refused(bad):
         TrainOptions(dropout=bad)
     with pytest.raises(ConfigError, match=r"document_starts in \[0, 1\)"):
         TrainOptions(document_starts=bad)
+
+
+@pytest.mark.parametrize("bad", [0, -8, 2.5, True])
+def test_a_rank_multiple_that_is_not_a_positive_integer_is_refused(bad):
+    with pytest.raises(ConfigError, match=re.escape(f"expected rank_multiple as a positive integer (got {bad!r})")):
+        TrainOptions(rank_multiple=bad)
 
 
 @pytest.mark.parametrize("share", [0.0, 0.25, 0.5])

@@ -49,7 +49,7 @@ def _rich_progress_callback(total_steps: int, tokens_per_step: int):
 
 
 OPTION_NAMES = ["objective", "data", "steps", "seq_len", "batch_size", "gradient_accumulation_steps",
-                "lr_cores", "lr_gates", "lr_rest", "beta", "tau", "early_steps", "target_ratio", "teacher",
+                "lr_cores", "lr_gates", "lr_rest", "beta", "tau", "rank_multiple", "early_steps", "target_ratio", "teacher",
                 "logging_steps", "save_steps", "seed", "warmup_steps", "lr_scheduler_type", "dropout",
                 "document_starts", "gradient_checkpointing", "bf16", "compile"]
 
@@ -70,6 +70,8 @@ OPTION_NAMES = ["objective", "data", "steps", "seq_len", "batch_size", "gradient
 @click.option("--lr-rest", type=float, default=None, help="AdamW rate of dense parameters [default: 5e-5].")
 @click.option("--beta", type=float, default=None, help="Weight of the rank term, early stage [default: 0.01].")
 @click.option("--tau", type=float, default=None, help="Gate pruning threshold [default: 1e-2].")
+@click.option("--rank-multiple", type=int, default=None,
+              help="Prune so that open ranks stay multiples of this, e.g. 8 for bf16 GPUs [default: 1].")
 @click.option("--early-steps", type=int, default=None, help="Steps of the early stage [default: 2/3 of steps].")
 @click.option("--teacher", default=None, help="Dense teacher for distill [default: the recorded source].")
 @click.option("--logging-steps", type=int, default=None)

@@ -33,6 +33,17 @@ def module_size(module: TTModule) -> int:
     return sum(n * open_ranks[k] * open_ranks[k + 1] for k, n in enumerate(physical))
 
 
+def whole_multiples(closing: torch.Tensor, is_open: torch.Tensor, gate: torch.Tensor, multiple: int) -> torch.Tensor:
+    """The weakest of the ``closing`` entries, as many as leave the bond's open count a multiple of
+    ``multiple`` (rounded up: fewer close, none when the rest would not reach a lower multiple).
+    Counts stay tensors: no host sync."""
+    open_count, candidates = is_open.sum(), closing.sum()
+    keep = torch.minimum(open_count, (open_count - candidates + multiple - 1) // multiple * multiple)
+    weakest_first = torch.where(closing, gate.abs(), torch.full_like(gate, math.inf)).argsort()
+    position = torch.empty_like(weakest_first).scatter_(0, weakest_first, torch.arange(len(gate), device=gate.device))
+    return closing & (position < open_count - keep)
+
+
 @dataclass
 class RankState:
     """What the controller must carry across a checkpoint."""
@@ -111,6 +122,8 @@ class RankController:
                 # open (computed on the device: no host sync per gate).
                 strongest = torch.zeros_like(mask).scatter_(0, (gate.abs() * mask).argmax().reshape(1), True)
                 newly &= ~(strongest & ~(mask & ~newly).any())
+                if self.options.rank_multiple > 1:
+                    newly = whole_multiples(newly, mask, gate, self.options.rank_multiple)
                 mask &= ~newly
                 closed = closed + newly.sum()
                 gate.mul_(mask)
