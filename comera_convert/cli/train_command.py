@@ -49,8 +49,8 @@ def _rich_progress_callback(total_steps: int, tokens_per_step: int):
 
 
 OPTION_NAMES = ["objective", "data", "steps", "seq_len", "batch_size", "gradient_accumulation_steps",
-                "lr_cores", "lr_gates", "lr_rest", "beta", "tau", "rank_multiple", "early_steps", "target_ratio", "teacher",
-                "logging_steps", "save_steps", "seed", "warmup_steps", "lr_scheduler_type", "dropout",
+                "lr_cores", "lr_gates", "lr_rest", "beta", "tau", "rank_multiple", "early_steps", "target_ratio",
+                "teacher", "logging_steps", "save_steps", "seed", "warmup_steps", "lr_scheduler_type", "dropout",
                 "document_starts", "gradient_checkpointing", "bf16", "compile"]
 
 

@@ -33,14 +33,16 @@ def module_size(module: TTModule) -> int:
     return sum(n * open_ranks[k] * open_ranks[k + 1] for k, n in enumerate(physical))
 
 
-def whole_multiples(closing: torch.Tensor, is_open: torch.Tensor, gate: torch.Tensor, multiple: int) -> torch.Tensor:
+def whole_multiples(closing: torch.Tensor, is_open: torch.Tensor, gate: torch.Tensor,
+                    multiple: int) -> torch.Tensor:
     """The weakest of the ``closing`` entries, as many as leave the bond's open count a multiple of
     ``multiple`` (rounded up: fewer close, none when the rest would not reach a lower multiple).
     Counts stay tensors: no host sync."""
     open_count, candidates = is_open.sum(), closing.sum()
     keep = torch.minimum(open_count, (open_count - candidates + multiple - 1) // multiple * multiple)
     weakest_first = torch.where(closing, gate.abs(), torch.full_like(gate, math.inf)).argsort()
-    position = torch.empty_like(weakest_first).scatter_(0, weakest_first, torch.arange(len(gate), device=gate.device))
+    order = torch.arange(len(gate), device=gate.device)
+    position = torch.empty_like(weakest_first).scatter_(0, weakest_first, order)
     return closing & (position < open_count - keep)
 
 
