@@ -74,15 +74,19 @@ def not_found_error(name: str, err: Exception) -> ModelLoadError:
                           f"({type(err).__name__}); {hint}")
 
 
+# The heads a model can be loaded with (`--task`), by transformers' Auto class.
+TASK_CLASSES = {"base": "AutoModel", "mlm": "AutoModelForMaskedLM", "clm": "AutoModelForCausalLM",
+                "seq-cls": "AutoModelForSequenceClassification"}
+
+
 def auto_class_for(config: dict, task: str | None = None):
     """The transformers class to load a config with: its recorded architecture, or the Auto class of ``task``."""
     import transformers
 
     if task is not None:
-        auto = {"base": "AutoModel", "mlm": "AutoModelForMaskedLM", "clm": "AutoModelForCausalLM",
-                "seq-cls": "AutoModelForSequenceClassification"}.get(task)
+        auto = TASK_CLASSES.get(task)
         if auto is None:
-            raise ModelLoadError(f"expected a task in base, mlm, clm, seq-cls (got {task!r})")
+            raise ModelLoadError(f"expected a task in {', '.join(TASK_CLASSES)} (got {task!r})")
         return getattr(transformers, auto)
     for name in config.get("architectures") or ():
         cls = getattr(transformers, name, None)

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import click
 
+from ..conversion.options import ALLOCATIONS
+from ..models import TASK_CLASSES
 from . import main
 from .console import console
 
@@ -36,7 +38,7 @@ def _default_out(model: str, ratio, rank) -> str:
               help="Data-aware init: minimize each layer's error on this text's activations "
                    "(python-stdlib, a file, folder, JSONL or dataset).")
 @click.option("--calibration-sequences", type=int, default=None, help="Calibration sequences [default: 128].")
-@click.option("--allocation", type=click.Choice(["uniform", "measured", "sensitivity"]), default=None,
+@click.option("--allocation", type=click.Choice(ALLOCATIONS), default=None,
               help="One shared rank; per-kind rank scales searched on the calibration text (measured); "
                    "or per-layer ranks from error estimates (sensitivity) [default: uniform].")
 @click.option("--rank-multiple", type=int, default=None,
@@ -44,7 +46,7 @@ def _default_out(model: str, ratio, rank) -> str:
                    "[default: 1].")
 @click.option("--recipe", type=click.Path(dir_okay=False), default=None,
               help="A YAML conversion recipe; options given here override it.")
-@click.option("--task", type=click.Choice(["base", "mlm", "clm", "seq-cls"]), default=None,
+@click.option("--task", type=click.Choice(list(TASK_CLASSES)), default=None,
               help="Load the model with this head [default: its recorded architecture].")
 @click.option("--out", type=click.Path(), default=None, help="Output directory [default: <model>-tt<ratio>].")
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty output directory.")

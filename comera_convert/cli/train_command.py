@@ -6,6 +6,7 @@ import time
 
 import click
 
+from ..training.options import LR_SCHEDULERS, OBJECTIVES
 from . import main
 from .console import console
 
@@ -57,7 +58,7 @@ OPTION_NAMES = ["objective", "data", "steps", "seq_len", "batch_size", "gradient
 @main.command()
 @click.argument("model")
 @click.option("--data", default=None, help="Text file, directory, JSONL, dataset name, or python-stdlib [default].")
-@click.option("--objective", type=click.Choice(["auto", "mlm", "clm", "distill"]), default=None,
+@click.option("--objective", type=click.Choice(OBJECTIVES), default=None,
               help="Task loss [default: auto].")
 @click.option("--max-steps", "--steps", "steps", type=int, default=None, help="Optimizer steps [default: 1000].")
 @click.option("--target-ratio", type=float, default=None, help="Whole-model ratio to reach in the late stage.")
@@ -77,7 +78,7 @@ OPTION_NAMES = ["objective", "data", "steps", "seq_len", "batch_size", "gradient
 @click.option("--logging-steps", type=int, default=None)
 @click.option("--save-steps", type=int, default=None)
 @click.option("--warmup-steps", type=int, default=None)
-@click.option("--lr-scheduler-type", type=click.Choice(["constant", "linear", "cosine"]), default=None,
+@click.option("--lr-scheduler-type", type=click.Choice(LR_SCHEDULERS), default=None,
               help="Learning rates after the warm-up: held (CoMERA) or decayed to 0 [default: constant].")
 @click.option("--dropout", type=float, default=None,
               help="Every dropout probability while training, e.g. 0 to distill [default: the model's].")
