@@ -18,8 +18,7 @@ from transformers import BertConfig, BertForMaskedLM
 
 import comera_convert
 from comera_convert.bench.models import training_step
-from comera_convert.bench.timing import graphed
-from comera_convert.bench.timing import median_seconds
+from comera_convert.bench.timing import graphed, median_seconds
 
 CONVERSIONS = {"dense": None, "r30": {"rank": 30}, "ratio4": {"ratio": 4}}
 
