@@ -21,6 +21,28 @@ def test_builtin_corpus_is_the_standard_library():
     assert "import" in first or "def " in first
 
 
+def test_english_corpus_mixes_its_sources_from_the_start():
+    import lzma
+
+    from comera_convert.training.data import ENGLISH_FILE
+
+    with lzma.open(ENGLISH_FILE, "rt", encoding="utf-8") as f:
+        first = [json.loads(next(f)) for _ in range(500)]
+    assert {r["source"] for r in first} == {"austen", "kjv", "wordnet", "jargon", "devil", "fortunes",
+                                            "python-docs"}  # any prefix mixes every source
+    texts = list(documents("english"))
+    assert len(texts) > 19_000 and texts[0] == first[0]["text"]
+    assert sum(len(t.split()) for t in texts) > 2_900_000
+
+
+def test_unknown_corpus_names_list_the_built_in_ones():
+    with pytest.raises(ConfigError, match=r"'englsh' is not a built-in corpus \(they are english, "
+                                          r"python-stdlib\); did you mean 'english'\?"):
+        list(documents("englsh"))
+    with pytest.raises(ConfigError, match="did you mean 'python-stdlib'"):
+        list(documents("python_stdlib"))
+
+
 def test_text_file_directory_and_jsonl(tmp_path):
     (tmp_path / "a.txt").write_text("alpha text")
     (tmp_path / "dir").mkdir()

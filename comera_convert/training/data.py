@@ -1,14 +1,24 @@
-"""Training text: files, directories, JSONL, Hugging Face datasets, or the built-in corpus.
+"""Training text: files, directories, JSONL, Hugging Face datasets, or a built-in corpus.
 
-``python-stdlib`` is the source of the running Python's standard library (real code and
-docstrings, as in CoMERA's code pre-training experiment); it needs no network. Documents are
-split into train and held-out sets by a fixed rule (every 20th document is held out), tokenized
-with the checkpoint's tokenizer and packed into blocks of ``seq_len`` tokens.
+Two corpora ship with the package and need no network:
+
+``english``        natural English from seven public-domain or permissively licensed sources (novels,
+                   the King James Bible, WordNet's definitions, the Jargon File, The Devil's
+                   Dictionary, the fortune database's quotations, Python's documentation prose):
+                   about 3 M words in passages of ~180 words (``corpora/README.md``). The default
+                   for natural-language models.
+``python-stdlib``  the source of the running Python's standard library (real code and docstrings, as
+                   in CoMERA's code pre-training experiment).
+
+Documents are split into train and held-out sets by a fixed rule (every 20th document is held out),
+tokenized with the checkpoint's tokenizer and packed into blocks of ``seq_len`` tokens.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
+import lzma
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,9 +28,16 @@ import torch
 
 from ..errors import ConfigError
 
-BUILTIN = "python-stdlib"
+ENGLISH = "english"
+PYTHON_STDLIB = "python-stdlib"
+BUILTIN = PYTHON_STDLIB  # the code corpus (what code models calibrate and train on by default)
+CORPORA = (ENGLISH, PYTHON_STDLIB)  # the built-in corpora, by name
+ENGLISH_FILE = Path(__file__).resolve().parents[1] / "corpora" / "english.jsonl.xz"
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".c", ".h", ".js", ".ts", ".java", ".go", ".rs", ".json",
                  ".html", ".css", ".sh", ".yaml", ".yml", ".toml", ".tex"}
+# A tokenizer that turns more than this share of a text into its unknown token cannot read it.
+MAX_UNKNOWN_SHARE = 0.5
+UNKNOWN_CHECK_TOKENS = 20_000  # checked after this much text, so that a hopeless source fails fast
 HELD_OUT_EVERY = 20  # document i is held out when i % 20 == 19: 5 %
 
 
@@ -32,6 +49,22 @@ def is_held_out(index: int) -> bool:
 def stdlib_files() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
     return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts)
+
+
+def check_corpus_name(source: str) -> None:
+    """Refuse a name that is no file or folder but close to a built-in corpus's (a typo), before a
+    dataset hub is asked for it."""
+    close = difflib.get_close_matches(source, CORPORA, n=1, cutoff=0.7)
+    if close and source not in CORPORA and not Path(source).expanduser().exists():
+        raise ConfigError(f"{source!r} is not a built-in corpus (they are {', '.join(CORPORA)}); "
+                          f"did you mean {close[0]!r}?")
+
+
+def english_documents() -> Iterator[str]:
+    """The passages of the built-in ``english`` corpus, in its fixed (interleaved) order."""
+    with lzma.open(ENGLISH_FILE, "rt", encoding="utf-8") as f:
+        for line in f:
+            yield json.loads(line)["text"]
 
 
 def _read(path: Path) -> str | None:
@@ -59,8 +92,8 @@ def _dataset(name: str) -> Iterator[str]:
     try:
         import datasets
     except ImportError:
-        raise ConfigError(f"--data {name!r} is neither a file nor a directory; to use it as a Hugging Face "
-                          "dataset, pip install datasets") from None
+        raise ConfigError(f"--data {name!r} is neither a file, a directory nor a built-in corpus "
+                          f"({', '.join(CORPORA)}); to use it as a Hugging Face dataset, pip install datasets") from None
     try:
         if Path(name).is_dir():
             data = datasets.load_from_disk(name)
@@ -68,7 +101,7 @@ def _dataset(name: str) -> Iterator[str]:
             data = datasets.load_dataset(name, split="train")
     except Exception as err:  # datasets raises many kinds; all mean "cannot have it"
         raise ConfigError(f"cannot load the dataset {name!r} ({type(err).__name__}): check the name, or pass a "
-                          "text file, a directory or a JSONL file") from None
+                          f"built-in corpus ({', '.join(CORPORA)}), a text file, a directory or a JSONL file") from None
     if hasattr(data, "keys") and "train" in data:
         data = data["train"]
     if "text" not in data.column_names:
@@ -78,7 +111,10 @@ def _dataset(name: str) -> Iterator[str]:
 
 def documents(source: str) -> Iterator[str]:
     """The documents of a data source, in a fixed order."""
-    if source == BUILTIN:
+    if source == ENGLISH:
+        yield from english_documents()
+        return
+    if source == PYTHON_STDLIB:
         for path in stdlib_files():
             text = _read(path)
             if text:
@@ -103,6 +139,7 @@ def documents(source: str) -> Iterator[str]:
     elif path.suffix in (".txt", ".jsonl", ".json") or "/" in source and not Path(source).parent.exists():
         raise ConfigError(f"--data {source}: no such file or directory")
     else:
+        check_corpus_name(source)
         yield from _dataset(source)
 
 
@@ -160,10 +197,14 @@ def sample(source: str, tokenizer, seq_len: int, vocab_size: int, max_tokens: in
     counts = torch.zeros(vocab_size, dtype=torch.float64)
     per_document, stream, read = [], [], 0
     training = (text for i, text in enumerate(documents(source)) if not is_held_out(i))
+    unknown = tokenizer.unk_token_id
     for ids in _token_ids(training, tokenizer):
         ids = ids[: max_tokens - read]
         read += len(ids)
         counts += torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab_size)[:vocab_size].double()
+        if unknown is not None and read >= UNKNOWN_CHECK_TOKENS and unknown < vocab_size:
+            _check_encodable(source, float(counts[unknown]) / read)
+            unknown = None  # checked once
         stream.extend(ids + ([framing.joiner] if framing.joiner is not None else []))
         if len(stream) >= framing.body:
             usable = len(stream) - len(stream) % framing.body
@@ -173,7 +214,16 @@ def sample(source: str, tokenizer, seq_len: int, vocab_size: int, max_tokens: in
             break
     if not read:
         raise ConfigError(f"--data {source}: no text found (the source is empty)")
+    if unknown is not None and unknown < vocab_size:
+        _check_encodable(source, float(counts[unknown]) / read)
     return Sample(per_document, counts, read)
+
+
+def _check_encodable(source: str, unknown_share: float) -> None:
+    if unknown_share > MAX_UNKNOWN_SHARE:
+        raise ConfigError(f"--data {source}: the model's tokenizer encodes {unknown_share:.0%} of this text as its "
+                          f"unknown token (expected at most {MAX_UNKNOWN_SHARE:.0%}): give text in a language and "
+                          f"script the tokenizer covers")
 
 
 def _token_ids(texts: Iterator[str], tokenizer, chunk: int = 64) -> Iterator[list[int]]:
