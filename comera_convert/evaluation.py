@@ -1,4 +1,8 @@
-"""How close a compressed model is to its dense source, on held-out text (`comera eval`).
+"""How close a compressed model is to its dense source, on held-out text of several domains (`comera eval`).
+
+By default the held-out splits of both built-in corpora are measured (``english``, natural prose of
+several genres, and ``python-stdlib``, code), plus any data given; each domain is reported on its
+own, and the worst one is named, so that a model fitted to one kind of text shows where it fails.
 
 encoders   mean and minimum cosine of mean-pooled sentence embeddings, and nearest-neighbour
            agreement (is each text's nearest neighbour the same under both models)
@@ -16,14 +20,16 @@ import torch
 import torch.nn.functional as F
 
 from .errors import ConfigError
-from .training.data import BUILTIN, documents, is_held_out
+from .training.data import CORPORA, documents, is_held_out
+
+DEFAULT_DOMAINS = CORPORA  # english and python-stdlib: prose and code
 from .training.objectives import BlockCollator, mean_pool
 
 
 def held_out_texts(source: str, count: int) -> list[str]:
-    """Up to ``count`` evaluation texts: the built-in corpus's held-out split (the documents training
+    """Up to ``count`` evaluation texts: a built-in corpus's held-out split (the documents training
     never sees), or any other source's documents as given; a single document is split into paragraphs."""
-    if source == BUILTIN:
+    if source in CORPORA:
         texts = [t for i, t in enumerate(documents(source)) if is_held_out(i)]
     else:
         texts = list(documents(source))
@@ -55,7 +61,7 @@ def sentence_embeddings(model, batch) -> torch.Tensor:
     """Mean-pooled last hidden states of a batch (input_ids, attention_mask), autograd off."""
     base = getattr(model, "base_model", model)
     hidden = base(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
-    return mean_pool(hidden, batch["attention_mask"])
+    return mean_pool(hidden.float(), batch["attention_mask"])
 
 
 def _nearest_neighbours(embeddings: torch.Tensor) -> torch.Tensor:
@@ -78,38 +84,22 @@ def _lm_scores(model, batch, kind: str) -> tuple[float, float]:
     """(mean loss, accuracy over labelled tokens); causal models predict the next token."""
     out = model(**batch)
     labels = batch["labels"]
-    logits = out.logits
+    logits = out.logits.float()
     if kind == "clm":
         logits, labels = logits[:, :-1], labels[:, 1:]
     mask = labels != -100
     accuracy = (logits.argmax(-1)[mask] == labels[mask]).float().mean()
-    return float(out.loss), float(accuracy)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+    return float(loss), float(accuracy)
 
 
-def evaluate(compressed_name: str, reference_name: str | None = None, data: str = BUILTIN, texts: int = 64,
-             seq_len: int = 128) -> dict:
-    """Metrics of a compressed checkpoint against its dense reference (the recorded source by default)."""
-    from .hf.config import compression_of
-    from .hf.loading import from_pretrained
-    from .models import load_model, load_tokenizer, read_config, resolve
-
-    path = resolve(compressed_name)
-    config = read_config(path)
-    source = reference_name or (compression_of(config) or {}).get("source")
-    if not source:
-        raise ConfigError("the checkpoint records no source model: pass --reference DENSE")
-    kind = _kind(config)
-    task = {"clm": "clm", "mlm": "mlm", "encoder": "base"}[kind]
-    compressed = from_pretrained(path, task=task).eval()
-    reference, _ = load_model(source, task=task)
-    reference.eval()
-    _check_match(compressed, reference, source)
-    tokenizer = load_tokenizer(path, "comera eval")
-    sample = held_out_texts(data, texts)
+def domain_metrics(compressed, reference, tokenizer, kind: str, source: str, texts: int, seq_len: int) -> dict:
+    """The comparison on one domain's held-out texts (see the module docstring for what is measured)."""
+    sample = held_out_texts(source, texts)
     if len(sample) < 2:
-        raise ConfigError(f"--data {data}: needs at least 2 held-out texts to compare models (found {len(sample)})")
+        raise ConfigError(f"--data {source}: needs at least 2 held-out texts to compare models (found {len(sample)})")
     batch = tokenizer(sample, padding=True, truncation=True, max_length=seq_len, return_tensors="pt")
-    metrics = {"kind": kind, "reference": source, "texts": len(sample)}
+    metrics = {"texts": len(sample)}
     if kind != "clm":
         metrics.update(encoder_metrics(compressed, reference, batch))
     if kind in ("mlm", "clm"):
@@ -124,6 +114,61 @@ def evaluate(compressed_name: str, reference_name: str | None = None, data: str 
             metrics[f"{name}_accuracy"] = accuracy
             if kind == "clm":
                 metrics[f"{name}_perplexity"] = math.exp(min(loss, 50.0))
+    return metrics
+
+
+def worst_domain(domains: dict[str, dict]) -> str:
+    """The domain the compressed model is furthest from its reference: the lowest mean cosine for
+    encoders, the largest rise of the loss over the reference's for causal LMs."""
+    def gap(metrics: dict) -> float:
+        if "mean_cosine" in metrics:
+            return -metrics["mean_cosine"]
+        return metrics["compressed_loss"] - metrics["reference_loss"]
+
+    return max(domains, key=lambda name: gap(domains[name]))
+
+
+def baseline_models(reference) -> dict:
+    """What else makes the dense model smaller, to compare with on the same texts: the whole model
+    stored in bfloat16 (2x smaller than float32) and its linear layers dynamically quantized to int8
+    (torch.ao, CPU; about 4x smaller linears)."""
+    import copy
+
+    from torch import nn
+
+    int8 = torch.ao.quantization.quantize_dynamic(copy.deepcopy(reference).float(), {nn.Linear}, dtype=torch.qint8)
+    return {"bfloat16 storage": copy.deepcopy(reference).to(torch.bfloat16), "int8 linears (dynamic)": int8}
+
+
+def evaluate(compressed_name: str, reference_name: str | None = None, data=None, texts: int = 64,
+             seq_len: int = 128, baselines: bool = False) -> dict:
+    """Metrics of a compressed checkpoint against its dense reference (the recorded source by
+    default), per domain: the built-in corpora's held-out splits and ``data`` (one source or a list).
+    ``baselines``: also the same metrics of ``baseline_models`` against the reference."""
+    from .hf.config import compression_of
+    from .hf.loading import from_pretrained
+    from .models import load_model, load_tokenizer, read_config, resolve
+
+    extra = [data] if isinstance(data, str) else list(data or [])
+    sources = list(dict.fromkeys([*DEFAULT_DOMAINS, *extra]))
+    path = resolve(compressed_name)
+    config = read_config(path)
+    source = reference_name or (compression_of(config) or {}).get("source")
+    if not source:
+        raise ConfigError("the checkpoint records no source model: pass --reference DENSE")
+    kind = _kind(config)
+    task = {"clm": "clm", "mlm": "mlm", "encoder": "base"}[kind]
+    compressed = from_pretrained(path, task=task).eval()
+    reference, _ = load_model(source, task=task)
+    reference.eval()
+    _check_match(compressed, reference, source)
+    tokenizer = load_tokenizer(path, "comera eval")
+    domains = {name: domain_metrics(compressed, reference, tokenizer, kind, name, texts, seq_len) for name in sources}
+    metrics = {"kind": kind, "reference": source, "domains": domains, "worst_domain": worst_domain(domains)}
+    if baselines:
+        metrics["baselines"] = {
+            label: {name: domain_metrics(model, reference, tokenizer, kind, name, texts, seq_len) for name in sources}
+            for label, model in baseline_models(reference).items()}
     return metrics
 
 

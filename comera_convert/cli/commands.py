@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import click
 
 from ..conversion.options import ALLOCATIONS
+from ..errors import ConfigError
 from ..models import TASK_CLASSES
 from . import main
 from .console import console
@@ -30,13 +32,15 @@ def _default_out(model: str, ratio, rank) -> str:
 @click.option("--layout", default=None, help="Layout of linear layers: tt (CoMERA) or ttm [default: tt].")
 @click.option("--embedding-layout", default=None,
               help="Layout of embeddings: tt or ttm (CoMERA) [default: tt].")
-@click.option("--modes", "d", type=int, default=None, help="Tensor modes per side, 2 to 4 [default: 3].")
+@click.option("--modes", "d", type=int, default=None, help="Tensor modes per side, 1 (plain low-rank, a truncated SVD) to 4 [default: 3].")
 @click.option("--targets", default=None, help="Comma-separated module-name patterns to convert.")
 @click.option("--exclude", default=None, help="Comma-separated module-name patterns to keep dense.")
 @click.option("--no-gates", is_flag=True, default=False, help="Leave out the rank gates (no rank adaptation).")
 @click.option("--calibration", default=None, metavar="DATA",
               help="Data-aware init: minimize each layer's error on this text's activations "
-                   "(python-stdlib, a file, folder, JSONL or dataset).")
+                   "(english, python-stdlib, a file, folder, JSONL or dataset) [default: english].")
+@click.option("--no-calibration", is_flag=True, default=False,
+              help="Plain TT-SVD of the weights, no calibration text (keeps far less of the model).")
 @click.option("--calibration-sequences", type=int, default=None, help="Calibration sequences [default: 128].")
 @click.option("--allocation", type=click.Choice(ALLOCATIONS), default=None,
               help="One shared rank; per-kind rank scales searched on the calibration text (measured); "
@@ -44,14 +48,16 @@ def _default_out(model: str, ratio, rank) -> str:
 @click.option("--rank-multiple", type=int, default=None,
               help="Round the ranks --ratio chooses down to multiples of this; 8 for faster bf16 on GPUs "
                    "[default: 1].")
+@click.option("--dtype", default=None, metavar="DTYPE",
+              help="Store the checkpoint in float32, bfloat16 or float16 [default: the source's].")
 @click.option("--recipe", type=click.Path(dir_okay=False), default=None,
               help="A YAML conversion recipe; options given here override it.")
 @click.option("--task", type=click.Choice(list(TASK_CLASSES)), default=None,
               help="Load the model with this head [default: its recorded architecture].")
 @click.option("--out", type=click.Path(), default=None, help="Output directory [default: <model>-tt<ratio>].")
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty output directory.")
-def convert(model, ratio, rank, layout, embedding_layout, d, targets, exclude, no_gates, calibration,
-            calibration_sequences, allocation, rank_multiple, recipe, task, out, overwrite):
+def convert(model, ratio, rank, layout, embedding_layout, d, targets, exclude, no_gates, calibration, no_calibration,
+            calibration_sequences, allocation, rank_multiple, dtype, recipe, task, out, overwrite):
     """Convert MODEL (directory, hub id or alias such as minilm, bert-base) to a TT checkpoint."""
     from ..recipes import convert_options
     from ..workflows import convert_checkpoint
@@ -60,20 +66,27 @@ def convert(model, ratio, rank, layout, embedding_layout, d, targets, exclude, n
                  "targets": _patterns(targets), "exclude": _patterns(exclude),
                  "gates": False if no_gates else None, "calibration": calibration,
                  "calibration_sequences": calibration_sequences, "allocation": allocation,
-                 "rank_multiple": rank_multiple}
+                 "rank_multiple": rank_multiple, "dtype": dtype}
     options = convert_options(recipe, overrides)
+    if no_calibration:
+        if calibration:
+            raise ConfigError("give --calibration DATA or --no-calibration, not both")
+        options = dataclasses.replace(options, calibration=None)
     out = out or _default_out(model, options.ratio, options.rank)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console(), transient=True) as bar:
-        task_id = bar.add_task("loading" + (" and calibrating" if options.calibration else ""), total=None)
+        task_id = bar.add_task("loading" + ("" if no_calibration else " and calibrating"), total=None)
 
         def on_module(name, index, total):
             bar.update(task_id, description=f"converting {name}", completed=index, total=total)
 
-        result = convert_checkpoint(model, options, out, task=task, overwrite=overwrite, progress=on_module)
-    _print_conversion(result, calibrated=bool(options.calibration))
+        from ..conversion.calibration import DEFAULT_CALIBRATION
+
+        result = convert_checkpoint(model, options, out, task=task, overwrite=overwrite, progress=on_module,
+                                    default_calibration=None if no_calibration else DEFAULT_CALIBRATION)
+    _print_conversion(result, calibrated="calibration" in result.report.extra)
 
 
 def _print_conversion(result, calibrated: bool) -> None:
@@ -86,10 +99,11 @@ def _print_conversion(result, calibrated: bool) -> None:
     calibrate = f"calibrate {t['calibrate']:.1f} s, " if "calibrate" in t else ""
     out.print(f"[green]wrote[/] {result.out}  (load {t['load']:.1f} s, {calibrate}convert {t['convert']:.1f} s, "
               f"save {t['save']:.1f} s)")
+    for note in result.notes:
+        out.print(f"[yellow]note:[/] {note}")
     if not calibrated:  # plain TT-SVD of pretrained weights keeps little of the model's function
-        out.print(f"[dim]tip: --calibration python-stdlib (or your own text) fits each layer to real "
-                  f"activations, `comera eval {result.out}` measures the result (packaged MiniLM at "
-                  f"--ratio 4: held-out embedding cosine 0.05 plain, 0.71 calibrated)[/]")
+        out.print(f"[dim]tip: calibration (the default, english, or --calibration with your own text) fits "
+                  f"each layer to real activations; `comera eval {result.out}` measures the result[/]")
 
 
 @main.command()
@@ -135,28 +149,29 @@ def decompress(model, out, overwrite):
 @main.command(name="eval")
 @click.argument("model")
 @click.option("--reference", default=None, help="The dense model to compare with [default: the recorded source].")
-@click.option("--data", default="python-stdlib", show_default=True, help="Held-out text: file, directory, JSONL...")
-@click.option("--texts", type=int, default=64, show_default=True, help="How many texts to compare on.")
+@click.option("--data", multiple=True,
+              help="Another domain of held-out text (file, directory, JSONL, dataset); repeatable. The "
+                   "held-out splits of english and python-stdlib are always measured.")
+@click.option("--texts", type=int, default=64, show_default=True, help="How many texts per domain.")
 @click.option("--seq-len", type=int, default=128, show_default=True, help="Tokens per text (truncated).")
+@click.option("--baselines", is_flag=True,
+              help="Also measure the dense model stored in bfloat16 and with int8 linears on the same texts.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write JSON here.")
-def evaluate(model, reference, data, texts, seq_len, json_path):
-    """How close compressed MODEL is to its dense source on held-out text."""
-    from rich.table import Table
-
+def evaluate(model, reference, data, texts, seq_len, baselines, json_path):
+    """How close compressed MODEL is to its dense source on held-out text, domain by domain."""
     from ..evaluation import evaluate as run_eval
     from ..evaluation import record_in_report
     from ..hf.saving import write_text_atomic
     from ..models import resolve
+    from .render import eval_table
 
-    metrics = run_eval(model, reference, data=data, texts=texts, seq_len=seq_len)
+    metrics = run_eval(model, reference, data=list(data), texts=texts, seq_len=seq_len, baselines=baselines)
     record_in_report(resolve(model), metrics)
-    table = Table(title=f"{model} vs {metrics['reference']} ({metrics['texts']} held-out texts)",
-                  title_justify="left")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for key, value in metrics.items():
-        if key not in ("reference", "texts"):
-            table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
-    console().print(table)
+    out = console()
+    out.print(eval_table(model, metrics))
+    out.print(f"worst domain: [bold]{metrics['worst_domain']}[/]")
+    for label, domains in metrics.get("baselines", {}).items():
+        out.print(eval_table(f"baseline: {label}", {"reference": metrics["reference"], "domains": domains,
+                                                     "worst_domain": None}))
     if json_path:
         write_text_atomic(Path(json_path), json.dumps(metrics, indent=2) + "\n")

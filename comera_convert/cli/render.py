@@ -58,7 +58,11 @@ def totals_table(report, disk_bytes: int | None = None) -> Table:
     if "calibration" in extra:
         table.add_row("calibration", extra["calibration"])
     if disk_bytes is not None:
-        table.add_row("checkpoint on disk", human_bytes(disk_bytes))
+        source = extra.get("source_bytes")
+        versus = f" (source {human_bytes(source)}, {source / disk_bytes:.2f}x smaller)" if source and disk_bytes else ""
+        table.add_row("checkpoint on disk", human_bytes(disk_bytes) + versus)
+    if "storage_dtype" in extra:
+        table.add_row("stored as", extra["storage_dtype"])
     if report.seconds is not None:
         table.add_row("conversion time", f"{report.seconds:.1f} s")
     return table
@@ -75,4 +79,26 @@ def compare_table(infos) -> Table:
         modules = str(len(info.report.modules)) if info.report else "-"
         table.add_row(info.name, info.model_type, "yes" if info.compressed else "no", f"{info.params:,}",
                       f"{base.params / max(info.params, 1):.2f}x", human_bytes(info.disk_bytes), modules)
+    return table
+
+
+EVAL_COLUMNS = {  # metric key -> column title, in the order shown
+    "mean_cosine": "mean cos", "min_cosine": "min cos", "nn_agreement": "NN agree",
+    "compressed_loss": "loss", "reference_loss": "dense loss", "compressed_accuracy": "acc",
+    "reference_accuracy": "dense acc", "compressed_perplexity": "ppl", "reference_perplexity": "dense ppl",
+}
+
+
+def eval_table(name: str, metrics: dict) -> Table:
+    """One row per evaluated domain, the worst one marked."""
+    domains = metrics["domains"]
+    keys = [k for k in EVAL_COLUMNS if any(k in m for m in domains.values())]
+    table = Table(title=f"{name} vs {metrics['reference']} (held-out texts)", title_justify="left")
+    table.add_column("domain")
+    table.add_column("texts", justify="right")
+    for key in keys:
+        table.add_column(EVAL_COLUMNS[key], justify="right")
+    for domain, values in domains.items():
+        label = f"{domain} [red](worst)[/]" if domain == metrics["worst_domain"] and len(domains) > 1 else domain
+        table.add_row(label, str(values["texts"]), *(f"{values[k]:.4f}" if k in values else "" for k in keys))
     return table

@@ -26,6 +26,9 @@ from .targets import Candidate
 
 logger = logging.getLogger("comera_convert")
 
+# What `comera convert` calibrates on unless told: natural English of several genres, which held
+# out prose and technical text both follow far better than code does (BENCHMARKS.md, Quality).
+DEFAULT_CALIBRATION = "english"
 DEFAULT_SEQUENCES = 128  # a few hundred sequences is what activation-aware SVD methods use
 DEFAULT_SEQ_LEN = 128
 PROBE_SEQUENCES = 32  # enough for a stable mean cosine, few enough for one quick forward
@@ -37,6 +40,16 @@ COUNTED_TOKENS = 4_000_000
 # Weight of a token never seen in calibration, relative to one occurrence: rare tokens keep some
 # weight (held-out text has words the calibration text lacks), frequent ones dominate.
 UNSEEN_TOKEN_PRIOR = 1.0
+# Embedding rows are weighted by (occurrences + prior) ** (TOKEN_WEIGHT_POWER / 2): 1 minimizes the
+# error of the text read, 0 treats every row alike. Tempered counts (0.5) spread the fit over the
+# tokens other text uses: all-MiniLM-L6-v2 at --ratio 2 calibrated on english, mean cosine on three
+# held-out domains the calibration never read 0.63-0.67 with 1, 0.67-0.72 with 0.5, 0.45-0.49 with 0
+# (BENCHMARKS.md, Quality).
+TOKEN_WEIGHT_POWER = 0.5
+# The input Gram matrices are damped by this share of their mean diagonal before whitening. Tried
+# at 0.1 so that input directions the calibration barely excited keep weight: no better out of
+# domain (within 0.005 at --ratio 2 and 4), so off.
+WHITENING_DAMPING = 0.0
 
 
 @dataclass
@@ -68,6 +81,8 @@ class Calibration:
             gram = self.grams.get(name)
             if gram is None:
                 return None
+            if WHITENING_DAMPING:
+                gram = gram + WHITENING_DAMPING * gram.diagonal().mean() * torch.eye(gram.shape[0], dtype=gram.dtype)
             factor, damping = weighted.input_factor(gram)
             if damping:
                 logger.warning("%s: the calibration inputs' Gram matrix is singular; damped by %.0e of its mean "
@@ -84,7 +99,9 @@ class Calibration:
     def token_weights(self, name: str) -> torch.Tensor | None:
         """sqrt(occurrences + prior) per row of an embedding, in ``token_order``, or None without statistics."""
         counts = self.counts.get(name)
-        return None if counts is None else (counts + UNSEEN_TOKEN_PRIOR).sqrt()[self.token_order(name)]
+        if counts is None:
+            return None
+        return (counts + UNSEEN_TOKEN_PRIOR).pow(TOKEN_WEIGHT_POWER / 2)[self.token_order(name)]
 
 
 def widest_input(candidates: list[Candidate]) -> int:
@@ -97,7 +114,7 @@ def required_sequences(candidates: list[Candidate], seq_len: int) -> int:
     return max(8, math.ceil(widest_input(candidates) / seq_len))
 
 
-def calibrate(model: nn.Module, tokenizer, data: str = "python-stdlib", sequences: int = DEFAULT_SEQUENCES,
+def calibrate(model: nn.Module, tokenizer, data: str = DEFAULT_CALIBRATION, sequences: int = DEFAULT_SEQUENCES,
               seq_len: int = DEFAULT_SEQ_LEN, targets=None, exclude=None, d: int = 3) -> Calibration:
     """Input statistics of every module ``convert`` would replace, from ``sequences`` blocks of
     ``seq_len`` tokens (at most the model's maximum) of ``data`` (any source `comera train --data`

@@ -39,7 +39,7 @@ def convert(model: nn.Module, ratio: float | None = 4.0, layout: str = "tt", tar
             rank: int | None = None, embedding_layout: str = "tt", d: int = 3, gates: bool = True,
             source: str | None = None, progress: Callable[[str, int, int], None] | None = None,
             calibration: Calibration | None = None, allocation: str = "uniform",
-            rank_multiple: int = 1) -> ConversionReport:
+            rank_multiple: int = 1, embedding_rank_scale: float = 1.5) -> ConversionReport:
     """Convert ``model`` in place; returns the report of what was compressed.
 
     ratio: the whole model (dense parameters included) shrinks at least this many times; ranks
@@ -55,10 +55,12 @@ def convert(model: nn.Module, ratio: float | None = 4.0, layout: str = "tt", tar
         the calibration sequences end to end) or "sensitivity" (per-layer ranks from the
         calibration's error estimates).
     rank_multiple: the ranks a ratio chooses are multiples of this (8: faster bf16 GEMMs on GPUs).
+    embedding_rank_scale: the input embedding's ranks relative to the shared rank (uniform allocation).
     """
     options = ConvertOptions(ratio=None if rank is not None else ratio, rank=rank, layout=layout,
                              embedding_layout=embedding_layout, d=d, targets=targets, exclude=exclude,
                              gates=gates, allocation=allocation, rank_multiple=rank_multiple,
+                             embedding_rank_scale=embedding_rank_scale,
                              calibration=(calibration.source or "given") if calibration is not None else None)
     return convert_with(model, options, source=source, progress=progress, calibration=calibration)
 
@@ -109,7 +111,8 @@ def convert_with(model: nn.Module, options: ConvertOptions, source: str | None =
                      rank_scales={kind: round(scale, 3) for kind, scale in scales.items()},
                      probe_cosine=round(cosine, 4))
     else:
-        specs, shared_rank = allocate_ranks(candidates, params_before, options.ratio, choice)
+        specs, shared_rank = allocate_ranks(candidates, params_before, options.ratio, choice,
+                                            _embedding_scale(model, options.embedding_rank_scale))
 
     for candidate, spec in zip(candidates, specs):
         if spec is None:
@@ -130,6 +133,16 @@ def convert_with(model: nn.Module, options: ConvertOptions, source: str | None =
                       seconds=time.perf_counter() - start, params_before=params_before)
     report.extra.update(extra)
     return report
+
+
+def _embedding_scale(model: nn.Module, scale: float):
+    """The uniform allocation's per-layer rank scale: ``scale`` for the input embedding, 1 elsewhere
+    (None when there is nothing to scale)."""
+    get = getattr(model, "get_input_embeddings", None)
+    words = get() if get is not None else None
+    if words is None or scale == 1:
+        return None
+    return lambda candidate: scale if candidate.module is words else 1.0
 
 
 def swap_in(model: nn.Module, candidates, specs, options: ConvertOptions, calibration: Calibration | None = None,

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 from ..errors import ConfigError, expected
 from ..option_files import from_mapping
 from ..tt.spec import LAYOUTS
+from .storage import storage_dtype
 
 ALLOCATIONS = ("uniform", "measured", "sensitivity")
 
@@ -28,7 +29,8 @@ class ConvertOptions:
     # embedding cosine 0.32 against 0.12 with ttm).
     layout: str = "tt"
     embedding_layout: str = "tt"
-    # Modes per side: CoMERA splits 768 and 3072 into 3 modes each.
+    # Modes per side: CoMERA splits 768 and 3072 into 3 modes each. 1 is the plain low-rank
+    # baseline: a truncated SVD (whitened when calibrated) with the same rank allocation.
     d: int = 3
     targets: list[str] | None = None
     exclude: list[str] | None = None
@@ -49,6 +51,15 @@ class ConvertOptions:
     # float32 no different). 1 spends the whole budget, as the quality figures in BENCHMARKS.md
     # were measured.
     rank_multiple: int = 1
+    # The input (word) embedding's ranks are this many times the shared rank (uniform allocation).
+    # Measured on all-MiniLM-L6-v2, calibrated on english, on held-out text of three domains the
+    # calibration never read (encyclopedic prose, package summaries, man pages): 1.5 raised the
+    # mean cosine by 0.03 to 0.04 at --ratio 2 and 4; 2.5 and 4 starve the linears at --ratio 2
+    # (BENCHMARKS.md, Quality). The embedding carries every token's meaning into mean pooling.
+    embedding_rank_scale: float = 1.5
+    # The dtype the checkpoint stores its tensors in (float32, bfloat16, float16); None keeps the
+    # source's. bfloat16 halves a float32 checkpoint (conversion/storage.py).
+    dtype: str | None = None
     version: int = 1
 
     def __post_init__(self):
@@ -66,8 +77,12 @@ class ConvertOptions:
         for name in ("layout", "embedding_layout"):
             if getattr(self, name) not in LAYOUTS:
                 raise ConfigError(expected(f"{name} in {LAYOUTS}", getattr(self, name)))
-        if self.d not in (2, 3, 4):
-            raise ConfigError(expected("d (modes per side) in (2, 3, 4)", self.d))
+        if self.d not in (1, 2, 3, 4):
+            raise ConfigError(expected("d (modes per side) in (1, 2, 3, 4)", self.d))
+        if self.d == 1 and "ttm" in (self.layout, self.embedding_layout):
+            raise ConfigError("--modes 1 is a plain low-rank factorization (truncated SVD: one core per side), "
+                              "which needs the tt layout: a one-mode ttm is the dense matrix itself (got "
+                              f"layout {self.layout}, embedding_layout {self.embedding_layout})")
         if self.allocation not in ALLOCATIONS:
             raise ConfigError(expected(f"allocation in {ALLOCATIONS}", self.allocation))
         if self.allocation != "uniform" and self.calibration is None:
@@ -85,9 +100,18 @@ class ConvertOptions:
         if self.rank_multiple != 1 and self.allocation == "sensitivity":
             raise ConfigError("rank_multiple applies to the uniform and measured allocations; the "
                               "sensitivity allocation climbs its own ladder of ranks")
+        if self.dtype is not None:
+            storage_dtype(self.dtype)
+        if isinstance(self.embedding_rank_scale, bool) or not isinstance(self.embedding_rank_scale, (int, float)) \
+                or not 0 < self.embedding_rank_scale <= 16:
+            raise ConfigError(expected("embedding_rank_scale as a number in (0, 16]", self.embedding_rank_scale))
         if self.calibration is not None and (not isinstance(self.calibration, str) or not self.calibration):
-            raise ConfigError(expected("calibration as a data source (a path, dataset name or python-stdlib)",
-                                       self.calibration))
+            raise ConfigError(expected("calibration as a data source (a path, dataset name, english or "
+                                       "python-stdlib)", self.calibration))
+        if self.calibration is not None:
+            from ..training.data import check_corpus_name
+
+            check_corpus_name(self.calibration)
         for name in ("targets", "exclude"):
             value = getattr(self, name)
             if isinstance(value, str):

@@ -29,7 +29,8 @@ def _check_share(name: str, value) -> None:
 @dataclass
 class TrainOptions:
     objective: str = "auto"
-    data: str = "python-stdlib"
+    # Natural English of several genres (the built-in corpus); python-stdlib for code models.
+    data: str = "english"
     steps: int = 1000
     seq_len: int = 128
     batch_size: int = 8  # per device, as TrainingArguments' per_device_train_batch_size

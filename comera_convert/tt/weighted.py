@@ -98,6 +98,8 @@ def _scaled_input_half(left: torch.Tensor, spec: TTSpec, row_weights: torch.Tens
     half with its rows scaled by the per-mode product closest to ``row_weights``, each core's mode
     scaled back after, so the input-side truncations also favour the rows that carry input."""
     d, r_mid = len(spec.row_modes), left.shape[1]
+    if d == 1:  # one input mode (--modes 1, a truncated SVD): the half is its only core, exactly
+        return [left.reshape(1, spec.row_modes[0], r_mid)]
     vectors = mode_weights(row_weights[: spec.rows], spec.row_modes, spec.padded_rows)
     scale = _outer_product(vectors)
     in_modes = spec.row_modes[:-1] + (spec.row_modes[-1] * r_mid,)
