@@ -33,8 +33,8 @@ DEFAULT_SEQUENCES = 128  # a few hundred sequences is what activation-aware SVD 
 DEFAULT_SEQ_LEN = 128
 PROBE_SEQUENCES = 32  # enough for a stable mean cosine, few enough for one quick forward
 BATCH = 16
-# Token frequencies come from up to this many tokens of the calibration text: the whole built-in
-# corpus (3.6 M BERT tokens, about 8 s to tokenize on 2 cores). They cost no forward pass, and
+# Token frequencies come from up to this many tokens of the calibration text: all of python-stdlib
+# (3.6 M BERT tokens), 95 % of english (4.1 M), about 8 s to tokenize on 2 cores. They cost no forward pass, and
 # the 16 K tokens of the calibration sequences alone miss most of the vocabulary held-out text uses.
 COUNTED_TOKENS = 4_000_000
 # Weight of a token never seen in calibration, relative to one occurrence: rare tokens keep some
@@ -44,12 +44,8 @@ UNSEEN_TOKEN_PRIOR = 1.0
 # error of the text read, 0 treats every row alike. Tempered counts (0.5) spread the fit over the
 # tokens other text uses: all-MiniLM-L6-v2 at --ratio 2 calibrated on english, mean cosine on three
 # held-out domains the calibration never read 0.63-0.67 with 1, 0.67-0.72 with 0.5, 0.45-0.49 with 0
-# (BENCHMARKS.md, Quality).
+# (BENCHMARKS.md, Quality across domains).
 TOKEN_WEIGHT_POWER = 0.5
-# The input Gram matrices are damped by this share of their mean diagonal before whitening. Tried
-# at 0.1 so that input directions the calibration barely excited keep weight: no better out of
-# domain (within 0.005 at --ratio 2 and 4), so off.
-WHITENING_DAMPING = 0.0
 
 
 @dataclass
@@ -76,13 +72,13 @@ class Calibration:
 
     def input_factor(self, name: str) -> torch.Tensor | None:
         """S with S^T S = the layer's input Gram (damped, with a warning, when singular), or None
-        without statistics. Computed once per layer."""
+        without statistics. Computed once per layer. (Damping every Gram by 0.1 of its mean
+        diagonal, so that directions the calibration text barely excited keep weight, was measured
+        and changed nothing out of domain: BENCHMARKS.md, Quality across domains.)"""
         if name not in self._factors:
             gram = self.grams.get(name)
             if gram is None:
                 return None
-            if WHITENING_DAMPING:
-                gram = gram + WHITENING_DAMPING * gram.diagonal().mean() * torch.eye(gram.shape[0], dtype=gram.dtype)
             factor, damping = weighted.input_factor(gram)
             if damping:
                 logger.warning("%s: the calibration inputs' Gram matrix is singular; damped by %.0e of its mean "
