@@ -133,10 +133,14 @@ def baseline_models(reference) -> dict:
     stored in bfloat16 (2x smaller than float32) and its linear layers dynamically quantized to int8
     (torch.ao, CPU; about 4x smaller linears)."""
     import copy
+    import warnings
 
     from torch import nn
 
-    int8 = torch.ao.quantization.quantize_dynamic(copy.deepcopy(reference).float(), {nn.Linear}, dtype=torch.qint8)
+    with warnings.catch_warnings():  # torch deprecates its quantized tensors; still the plain int8 reference
+        warnings.simplefilter("ignore")
+        int8 = torch.ao.quantization.quantize_dynamic(copy.deepcopy(reference).float(), {nn.Linear},
+                                                      dtype=torch.qint8)
     return {"bfloat16 storage": copy.deepcopy(reference).to(torch.bfloat16), "int8 linears (dynamic)": int8}
 
 
