@@ -93,11 +93,13 @@ def _lm_scores(model, batch, kind: str) -> tuple[float, float]:
     return float(loss), float(accuracy)
 
 
-def domain_metrics(compressed, reference, tokenizer, kind: str, source: str, texts: int, seq_len: int) -> dict:
+def domain_metrics(compressed, reference, tokenizer, kind: str, source: str, texts: int,
+                   seq_len: int) -> dict:
     """The comparison on one domain's held-out texts (see the module docstring for what is measured)."""
     sample = held_out_texts(source, texts)
     if len(sample) < 2:
-        raise ConfigError(f"--data {source}: needs at least 2 held-out texts to compare models (found {len(sample)})")
+        raise ConfigError(f"--data {source}: needs at least 2 held-out texts to compare models "
+                          f"(found {len(sample)})")
     batch = tokenizer(sample, padding=True, truncation=True, max_length=seq_len, return_tensors="pt")
     metrics = {"texts": len(sample)}
     if kind != "clm":
@@ -167,12 +169,15 @@ def evaluate(compressed_name: str, reference_name: str | None = None, data=None,
     reference.eval()
     _check_match(compressed, reference, source)
     tokenizer = load_tokenizer(path, "comera eval")
-    domains = {name: domain_metrics(compressed, reference, tokenizer, kind, name, texts, seq_len) for name in sources}
+    def per_domain(model) -> dict:
+        return {name: domain_metrics(model, reference, tokenizer, kind, name, texts, seq_len)
+                for name in sources}
+
+    domains = per_domain(compressed)
     metrics = {"kind": kind, "reference": source, "domains": domains, "worst_domain": worst_domain(domains)}
     if baselines:
-        metrics["baselines"] = {
-            label: {name: domain_metrics(model, reference, tokenizer, kind, name, texts, seq_len) for name in sources}
-            for label, model in baseline_models(reference).items()}
+        metrics["baselines"] = {label: per_domain(model)
+                                for label, model in baseline_models(reference).items()}
     return metrics
 
 

@@ -40,7 +40,8 @@ def test_convert_report_decompress(dense_dir, tmp_path):
     assert result.exit_code == 0, result.output
     assert f"wrote {out}" in result.output.replace("\n", "")
     # No tokenizer here, so the default calibration (english) cannot run: said, then plain TT-SVD.
-    assert "has no tokenizer files, so it was converted without calibration" in result.output.replace("\n", " ")
+    output = result.output.replace("\n", " ")
+    assert "has no tokenizer files, so it was converted without calibration" in output
     assert "tip: calibration" in result.output
     assert (out / "model.safetensors").is_file()
 
@@ -193,7 +194,8 @@ def test_convert_with_calibration_records_it(dense_dir, tmp_path):
     assert {m["layout"] for m in report["modules"] if m["kind"] == "embedding"} == {"tt"}
     assert comera_convert.from_pretrained(out).config.quantization_config.modules
     # The built-in english corpus is all [UNK] to this tokenizer: refused, not calibrated on.
-    _one_line_error(run("convert", dense_dir, "--ratio", "2", "--calibration", "english", "--out", tmp_path / "unk"),
+    _one_line_error(run("convert", dense_dir, "--ratio", "2", "--calibration", "english",
+                        "--out", tmp_path / "unk"),
                     "--data english: the model's tokenizer encodes 100% of this text as its unknown token")
 
 
@@ -205,13 +207,14 @@ def test_default_calibration_is_english_and_no_calibration_is_plain(dense_dir, t
     from transformers import BertConfig, BertForMaskedLM
 
     tokenizer = AutoTokenizer.from_pretrained(get_model_path())
-    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=64)
+    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=1,
+                        num_attention_heads=2, intermediate_size=64, max_position_embeddings=64)
     BertForMaskedLM(config).save_pretrained(dense_dir)
     tokenizer.save_pretrained(dense_dir)
     result = run("convert", dense_dir, "--ratio", "2", "--out", tmp_path / "default")
     assert result.exit_code == 0, result.output
-    calibration = json.loads((tmp_path / "default" / "comera_report.json").read_text())["extra"]["calibration"]
+    report = json.loads((tmp_path / "default" / "comera_report.json").read_text())
+    calibration = report["extra"]["calibration"]
     assert "of english" in calibration
     plain = run("convert", dense_dir, "--ratio", "2", "--no-calibration", "--out", tmp_path / "plain")
     assert plain.exit_code == 0, plain.output

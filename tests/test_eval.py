@@ -51,7 +51,8 @@ def saved(tmp_path, case, **convert):
 def test_full_rank_compression_is_indistinguishable_on_every_domain(tmp_path, corpus):
     metrics = evaluate(str(saved(tmp_path, "bert-mlm", rank=10 ** 6)), data=corpus, texts=16)
     assert metrics["kind"] == "mlm"
-    assert list(metrics["domains"]) == ["english", "python-stdlib", corpus]  # the built-in splits, then --data
+    # The built-in splits, then --data.
+    assert list(metrics["domains"]) == ["english", "python-stdlib", corpus]
     assert metrics["domains"][corpus]["texts"] == 8 and metrics["domains"]["english"]["texts"] == 16
     for domain in metrics["domains"].values():
         assert domain["mean_cosine"] > 0.9999 and domain["min_cosine"] > 0.9999
@@ -105,8 +106,9 @@ def test_mismatched_reference_is_refused(tmp_path, corpus):
 
 def test_cli_prints_writes_json_and_records_in_the_report(tmp_path, corpus):
     path = saved(tmp_path, "bert", ratio=3)
-    result = CliRunner(env={"COLUMNS": "200"}).invoke(main, ["eval", str(path), "--data", corpus, "--texts", "8",
-                                                             "--baselines", "--json", str(tmp_path / "m.json")])
+    args = ["eval", str(path), "--data", corpus, "--texts", "8", "--baselines",
+            "--json", str(tmp_path / "m.json")]
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(main, args)
     assert result.exit_code == 0, result.output
     assert "mean cos" in result.output and "english" in result.output and "python-stdlib" in result.output
     written = json.loads((tmp_path / "m.json").read_text())

@@ -131,7 +131,8 @@ def test_default_conversion_is_more_faithful_in_its_worst_domain_than_the_previo
     tokenizer = AutoTokenizer.from_pretrained(path)
     domains = {"english": held_out_texts("english"), "python-stdlib": held_out_texts("python-stdlib")}
     worst = {}
-    setups = {"plain": (None, 1.0, 1.5), "previous": ("python-stdlib", 1.0, 1.0), "default": ("english", 0.5, 1.5)}
+    setups = {"plain": (None, 1.0, 1.5), "previous": ("python-stdlib", 1.0, 1.0),
+              "default": ("english", 0.5, 1.5)}
     for name, (data, power, embedding_scale) in setups.items():
         monkeypatch.setattr(calibration_module, "TOKEN_WEIGHT_POWER", power)
         model, _ = load_model("minilm")

@@ -13,7 +13,6 @@ any prefix of the corpus (what a short run reads) mixes every source in proporti
 
 from __future__ import annotations
 
-import base64
 import gzip
 import json
 import lzma
@@ -58,7 +57,8 @@ def austen() -> Iterator[str]:
             current.append(line.strip())
         elif current:
             paragraph = " ".join(current)
-            if not re.fullmatch(r"(CHAPTER|Chapter|VOLUME) [IVXLC\d]+\.?|[A-Z &]+|by Jane Austen|\(\d+\)", paragraph):
+            heading = r"(CHAPTER|Chapter|VOLUME) [IVXLC\d]+\.?|[A-Z &]+|by Jane Austen|\(\d+\)"
+            if not re.fullmatch(heading, paragraph):
                 paragraphs.append(paragraph)
             current = []
     yield from passages(paragraphs)
@@ -67,7 +67,8 @@ def austen() -> Iterator[str]:
 def kjv() -> Iterator[str]:
     """The King James Bible (public domain; bible-kjv-text): every other chapter, verses as lines,
     so that its archaic register stays one source among several."""
-    text = subprocess.run(["bible", "-f", "Gen1:1-Rev22:21"], check=True, capture_output=True, text=True).stdout
+    text = subprocess.run(["bible", "-f", "Gen1:1-Rev22:21"], check=True, capture_output=True,
+                          text=True).stdout
     chapters: dict[str, list[str]] = {}
     for line in text.splitlines():
         match = re.match(r"(\w+?\d*?)(\d+):\d+ (.*)", line)
@@ -92,7 +93,8 @@ def wordnet() -> Iterator[str]:
             words = [tokens[4 + 2 * i].replace("_", " ") for i in range(count)]
             words = [re.sub(r"\(\w+\)$", "", w) for w in words]
             entries.append(f"{', '.join(words)}: {gloss.strip()}")
-    for number, passage in enumerate(passages(entries, words=PASSAGE_WORDS // 2)):  # short texts, short passages
+    # Short texts, so shorter passages.
+    for number, passage in enumerate(passages(entries, words=PASSAGE_WORDS // 2)):
         if number % 2 == 0:
             yield passage
 
@@ -198,7 +200,8 @@ def main() -> None:
         words[record["source"]] = words.get(record["source"], 0) + len(record["text"].split())
     for name, count in words.items():
         print(f"{name:12s} {sum(r['source'] == name for r in records):7d} passages {count:9d} words")
-    print(f"{len(records)} passages, {sum(words.values())} words -> {OUT} ({OUT.stat().st_size / 1e6:.1f} MB)")
+    size = OUT.stat().st_size / 1e6
+    print(f"{len(records)} passages, {sum(words.values())} words -> {OUT} ({size:.1f} MB)")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ def _default_out(model: str, ratio, rank) -> str:
 @click.option("--layout", default=None, help="Layout of linear layers: tt (CoMERA) or ttm [default: tt].")
 @click.option("--embedding-layout", default=None,
               help="Layout of embeddings: tt or ttm (CoMERA) [default: tt].")
-@click.option("--modes", "d", type=int, default=None, help="Tensor modes per side, 1 (plain low-rank, a truncated SVD) to 4 [default: 3].")
+@click.option("--modes", "d", type=int, default=None,
+              help="Tensor modes per side, 1 (plain low-rank, a truncated SVD) to 4 [default: 3].")
 @click.option("--targets", default=None, help="Comma-separated module-name patterns to convert.")
 @click.option("--exclude", default=None, help="Comma-separated module-name patterns to keep dense.")
 @click.option("--no-gates", is_flag=True, default=False, help="Leave out the rank gates (no rank adaptation).")
@@ -56,8 +57,9 @@ def _default_out(model: str, ratio, rank) -> str:
               help="Load the model with this head [default: its recorded architecture].")
 @click.option("--out", type=click.Path(), default=None, help="Output directory [default: <model>-tt<ratio>].")
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty output directory.")
-def convert(model, ratio, rank, layout, embedding_layout, d, targets, exclude, no_gates, calibration, no_calibration,
-            calibration_sequences, allocation, rank_multiple, dtype, recipe, task, out, overwrite):
+def convert(model, ratio, rank, layout, embedding_layout, d, targets, exclude, no_gates, calibration,
+            no_calibration, calibration_sequences, allocation, rank_multiple, dtype, recipe, task, out,
+            overwrite):
     """Convert MODEL (directory, hub id or alias such as minilm, bert-base) to a TT checkpoint."""
     from ..recipes import convert_options
     from ..workflows import convert_checkpoint

@@ -59,7 +59,8 @@ def totals_table(report, disk_bytes: int | None = None) -> Table:
         table.add_row("calibration", extra["calibration"])
     if disk_bytes is not None:
         source = extra.get("source_bytes")
-        versus = f" (source {human_bytes(source)}, {source / disk_bytes:.2f}x smaller)" if source and disk_bytes else ""
+        versus = (f" (source {human_bytes(source)}, {source / disk_bytes:.2f}x smaller)"
+                  if source and disk_bytes else "")
         table.add_row("checkpoint on disk", human_bytes(disk_bytes) + versus)
     if "storage_dtype" in extra:
         table.add_row("stored as", extra["storage_dtype"])

@@ -57,7 +57,8 @@ OPTION_NAMES = ["objective", "data", "steps", "seq_len", "batch_size", "gradient
 
 @main.command()
 @click.argument("model")
-@click.option("--data", default=None, help="Text file, directory, JSONL, dataset name, python-stdlib, or english [default].")
+@click.option("--data", default=None,
+              help="Text file, directory, JSONL, dataset name, python-stdlib, or english [default].")
 @click.option("--objective", type=click.Choice(OBJECTIVES), default=None,
               help="Task loss [default: auto].")
 @click.option("--max-steps", "--steps", "steps", type=int, default=None, help="Optimizer steps [default: 1000].")

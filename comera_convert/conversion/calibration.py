@@ -27,15 +27,17 @@ from .targets import Candidate
 logger = logging.getLogger("comera_convert")
 
 # What `comera convert` calibrates on unless told: natural English of several genres, which held
-# out prose and technical text both follow far better than code does (BENCHMARKS.md, Quality).
+# out prose and technical text both follow far better than code does (BENCHMARKS.md, Quality
+# across domains).
 DEFAULT_CALIBRATION = "english"
 DEFAULT_SEQUENCES = 128  # a few hundred sequences is what activation-aware SVD methods use
 DEFAULT_SEQ_LEN = 128
 PROBE_SEQUENCES = 32  # enough for a stable mean cosine, few enough for one quick forward
 BATCH = 16
 # Token frequencies come from up to this many tokens of the calibration text: all of python-stdlib
-# (3.6 M BERT tokens), 95 % of english (4.1 M), about 8 s to tokenize on 2 cores. They cost no forward pass, and
-# the 16 K tokens of the calibration sequences alone miss most of the vocabulary held-out text uses.
+# (3.6 M BERT tokens), 95 % of english (4.1 M), about 8 s to tokenize on 2 cores. They cost no
+# forward pass, and the 16 K tokens of the calibration sequences alone miss most of the vocabulary
+# held-out text uses.
 COUNTED_TOKENS = 4_000_000
 # Weight of a token never seen in calibration, relative to one occurrence: rare tokens keep some
 # weight (held-out text has words the calibration text lacks), frequent ones dominate.
@@ -110,7 +112,8 @@ def required_sequences(candidates: list[Candidate], seq_len: int) -> int:
     return max(8, math.ceil(widest_input(candidates) / seq_len))
 
 
-def calibrate(model: nn.Module, tokenizer, data: str = DEFAULT_CALIBRATION, sequences: int = DEFAULT_SEQUENCES,
+def calibrate(model: nn.Module, tokenizer, data: str = DEFAULT_CALIBRATION,
+              sequences: int = DEFAULT_SEQUENCES,
               seq_len: int = DEFAULT_SEQ_LEN, targets=None, exclude=None, d: int = 3) -> Calibration:
     """Input statistics of every module ``convert`` would replace, from ``sequences`` blocks of
     ``seq_len`` tokens (at most the model's maximum) of ``data`` (any source `comera train --data`

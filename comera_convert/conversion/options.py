@@ -80,7 +80,8 @@ class ConvertOptions:
         if self.d not in (1, 2, 3, 4):
             raise ConfigError(expected("d (modes per side) in (1, 2, 3, 4)", self.d))
         if self.d == 1 and "ttm" in (self.layout, self.embedding_layout):
-            raise ConfigError("--modes 1 is a plain low-rank factorization (truncated SVD: one core per side), "
+            raise ConfigError("--modes 1 is a plain low-rank factorization (truncated SVD: one core per "
+                              "side), "
                               "which needs the tt layout: a one-mode ttm is the dense matrix itself (got "
                               f"layout {self.layout}, embedding_layout {self.embedding_layout})")
         if self.allocation not in ALLOCATIONS:
@@ -102,9 +103,9 @@ class ConvertOptions:
                               "sensitivity allocation climbs its own ladder of ranks")
         if self.dtype is not None:
             storage_dtype(self.dtype)
-        if isinstance(self.embedding_rank_scale, bool) or not isinstance(self.embedding_rank_scale, (int, float)) \
-                or not 0 < self.embedding_rank_scale <= 16:
-            raise ConfigError(expected("embedding_rank_scale as a number in (0, 16]", self.embedding_rank_scale))
+        scale = self.embedding_rank_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 16:
+            raise ConfigError(expected("embedding_rank_scale as a number in (0, 16]", scale))
         if self.calibration is not None and (not isinstance(self.calibration, str) or not self.calibration):
             raise ConfigError(expected("calibration as a data source (a path, dataset name, english or "
                                        "python-stdlib)", self.calibration))

@@ -19,7 +19,8 @@ STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16
 def storage_dtype(name: str) -> torch.dtype:
     """The torch dtype of a ``--dtype`` name, or a ConfigError listing the names."""
     if name not in STORAGE_DTYPES:
-        raise ConfigError(f"--dtype {name!r} is not a storage dtype (expected one of {', '.join(STORAGE_DTYPES)})")
+        raise ConfigError(f"--dtype {name!r} is not a storage dtype "
+                          f"(expected one of {', '.join(STORAGE_DTYPES)})")
     return STORAGE_DTYPES[name]
 
 
@@ -33,8 +34,8 @@ def cast_for_storage(model: nn.Module, name: str) -> None:
         if tensor.is_floating_point() and tensor.numel():
             largest = float(tensor.detach().abs().max())
             if largest > limit:
-                raise ConfigError(f"--dtype {name} cannot hold {tensor_name} (largest magnitude {largest:.3g}, "
-                                  f"{name} stops at {limit:.3g}): use bfloat16 or float32")
+                raise ConfigError(f"--dtype {name} cannot hold {tensor_name} (largest magnitude "
+                                  f"{largest:.3g}, {name} stops at {limit:.3g}): use bfloat16 or float32")
     model.to(dtype)
     if getattr(model, "config", None) is not None:
         model.config.dtype = dtype

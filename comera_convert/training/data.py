@@ -93,7 +93,8 @@ def _dataset(name: str) -> Iterator[str]:
         import datasets
     except ImportError:
         raise ConfigError(f"--data {name!r} is neither a file, a directory nor a built-in corpus "
-                          f"({', '.join(CORPORA)}); to use it as a Hugging Face dataset, pip install datasets") from None
+                          f"({', '.join(CORPORA)}); to use it as a Hugging Face dataset, "
+                          "pip install datasets") from None
     try:
         if Path(name).is_dir():
             data = datasets.load_from_disk(name)
@@ -101,7 +102,8 @@ def _dataset(name: str) -> Iterator[str]:
             data = datasets.load_dataset(name, split="train")
     except Exception as err:  # datasets raises many kinds; all mean "cannot have it"
         raise ConfigError(f"cannot load the dataset {name!r} ({type(err).__name__}): check the name, or pass a "
-                          f"built-in corpus ({', '.join(CORPORA)}), a text file, a directory or a JSONL file") from None
+                          f"built-in corpus ({', '.join(CORPORA)}), a text file, a directory or a "
+                          "JSONL file") from None
     if hasattr(data, "keys") and "train" in data:
         data = data["train"]
     if "text" not in data.column_names:
@@ -221,9 +223,9 @@ def sample(source: str, tokenizer, seq_len: int, vocab_size: int, max_tokens: in
 
 def _check_encodable(source: str, unknown_share: float) -> None:
     if unknown_share > MAX_UNKNOWN_SHARE:
-        raise ConfigError(f"--data {source}: the model's tokenizer encodes {unknown_share:.0%} of this text as its "
-                          f"unknown token (expected at most {MAX_UNKNOWN_SHARE:.0%}): give text in a language and "
-                          f"script the tokenizer covers")
+        raise ConfigError(f"--data {source}: the model's tokenizer encodes {unknown_share:.0%} of this text "
+                          f"as its unknown token (expected at most {MAX_UNKNOWN_SHARE:.0%}): give text in a "
+                          "language and script the tokenizer covers")
 
 
 def _token_ids(texts: Iterator[str], tokenizer, chunk: int = 64) -> Iterator[list[int]]:
