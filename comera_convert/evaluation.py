@@ -21,9 +21,9 @@ import torch.nn.functional as F
 
 from .errors import ConfigError
 from .training.data import CORPORA, documents, is_held_out
+from .training.objectives import BlockCollator, mean_pool
 
 DEFAULT_DOMAINS = CORPORA  # english and python-stdlib: prose and code
-from .training.objectives import BlockCollator, mean_pool
 
 
 def held_out_texts(source: str, count: int) -> list[str]:
@@ -93,15 +93,18 @@ def _lm_scores(model, batch, kind: str) -> tuple[float, float]:
     return float(loss), float(accuracy)
 
 
-def domain_metrics(compressed, reference, tokenizer, kind: str, source: str, texts: int,
-                   seq_len: int) -> dict:
-    """The comparison on one domain's held-out texts (see the module docstring for what is measured)."""
+def domain_batch(tokenizer, source: str, texts: int, seq_len: int) -> dict:
+    """One domain's held-out texts, tokenized (padded, truncated to ``seq_len``)."""
     sample = held_out_texts(source, texts)
     if len(sample) < 2:
         raise ConfigError(f"--data {source}: needs at least 2 held-out texts to compare models "
                           f"(found {len(sample)})")
-    batch = tokenizer(sample, padding=True, truncation=True, max_length=seq_len, return_tensors="pt")
-    metrics = {"texts": len(sample)}
+    return tokenizer(sample, padding=True, truncation=True, max_length=seq_len, return_tensors="pt")
+
+
+def domain_metrics(compressed, reference, tokenizer, kind: str, batch) -> dict:
+    """The comparison on one domain's tokenized texts (see the module docstring for what is measured)."""
+    metrics = {"texts": int(batch["input_ids"].shape[0])}
     if kind != "clm":
         metrics.update(encoder_metrics(compressed, reference, batch))
     if kind in ("mlm", "clm"):
@@ -169,9 +172,11 @@ def evaluate(compressed_name: str, reference_name: str | None = None, data=None,
     reference.eval()
     _check_match(compressed, reference, source)
     tokenizer = load_tokenizer(path, "comera eval")
+    batches = {name: domain_batch(tokenizer, name, texts, seq_len) for name in sources}  # read once
+
     def per_domain(model) -> dict:
-        return {name: domain_metrics(model, reference, tokenizer, kind, name, texts, seq_len)
-                for name in sources}
+        return {name: domain_metrics(model, reference, tokenizer, kind, batch)
+                for name, batch in batches.items()}
 
     domains = per_domain(compressed)
     metrics = {"kind": kind, "reference": source, "domains": domains, "worst_domain": worst_domain(domains)}

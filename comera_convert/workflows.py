@@ -33,14 +33,15 @@ def convert_checkpoint(model_name: str, options: ConvertOptions, out, *, task=No
     start = time.perf_counter()
     model, path = load_model(model_name, task=task)
     loaded = time.perf_counter()
-    notes = []
+    notes, tokenizer = [], None
     if options.calibration is None and default_calibration is not None:
-        if has_tokenizer(path):
+        tokenizer = _tokenizer_or_none(path)
+        if tokenizer is not None:
             options = dataclasses.replace(options, calibration=default_calibration)
         else:
             notes.append(f"{model_name} has no tokenizer files, so it was converted without calibration "
                          f"(plain TT-SVD); copy its tokenizer in for a data-aware conversion")
-    calibration = _calibration(model, path, options) if options.calibration else None
+    calibration = _calibration(model, path, options, tokenizer) if options.calibration else None
     calibrated = time.perf_counter()
     report = convert_with(model, options, source=model_name, progress=progress, calibration=calibration)
     if options.dtype is not None:
@@ -58,15 +59,15 @@ def convert_checkpoint(model_name: str, options: ConvertOptions, out, *, task=No
                             notes=notes)
 
 
-def has_tokenizer(path: str) -> bool:
+def _tokenizer_or_none(path: str):
+    """The model's tokenizer, or None where it has no tokenizer files."""
     from .errors import ModelLoadError
     from .models import load_tokenizer
 
     try:
-        load_tokenizer(path, "calibration")
+        return load_tokenizer(path, "calibration")
     except ModelLoadError:
-        return False
-    return True
+        return None
 
 
 def weight_bytes(path) -> int:
@@ -75,11 +76,12 @@ def weight_bytes(path) -> int:
     return sum(f.stat().st_size for f in files)
 
 
-def _calibration(model, path, options: ConvertOptions):
+def _calibration(model, path, options: ConvertOptions, tokenizer=None):
+    """Calibration statistics on ``options.calibration``, with ``tokenizer`` when it was loaded already."""
     from .conversion.calibration import calibrate
     from .models import load_tokenizer
 
-    tokenizer = load_tokenizer(path, "--calibration")
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path, "--calibration")
     return calibrate(model, tokenizer, options.calibration, options.calibration_sequences,
                      options.calibration_seq_len, options.targets, options.exclude, options.d)
 

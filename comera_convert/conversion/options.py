@@ -81,9 +81,8 @@ class ConvertOptions:
             raise ConfigError(expected("d (modes per side) in (1, 2, 3, 4)", self.d))
         if self.d == 1 and "ttm" in (self.layout, self.embedding_layout):
             raise ConfigError("--modes 1 is a plain low-rank factorization (truncated SVD: one core per "
-                              "side), "
-                              "which needs the tt layout: a one-mode ttm is the dense matrix itself (got "
-                              f"layout {self.layout}, embedding_layout {self.embedding_layout})")
+                              "side), which needs the tt layout: a one-mode ttm is the dense matrix itself "
+                              f"(got layout {self.layout}, embedding_layout {self.embedding_layout})")
         if self.allocation not in ALLOCATIONS:
             raise ConfigError(expected(f"allocation in {ALLOCATIONS}", self.allocation))
         if self.allocation != "uniform" and self.calibration is None:
