@@ -170,7 +170,11 @@ def test_train_bad_input_is_one_line(dense_dir, tmp_path):
     _one_line_error(run("train", out, "--rank-multiple", "0", "--out", tmp_path / "t5"),
                     "rank_multiple as a positive integer")
     _one_line_error(run("train", out, "--target-ratio", "1.2", "--data", "python-stdlib", "--steps", "2",
-                        "--out", tmp_path / "t4"), "lower than the model's current ratio")
+                        "--out", tmp_path / "t4"), "is not above the model's current ratio")
+    _one_line_error(run("train", out, "--data", "/bin/ls", "--out", tmp_path / "t6"),
+                    "--data /bin/ls is not a text file (it holds NUL bytes)")
+    _one_line_error(run("train", out, "--target-ratio", "5", "--steps", "4", "--early-steps", "4",
+                        "--out", tmp_path / "t7"), "needs a late stage to compress in")
 
 
 def test_convert_with_calibration_records_it(dense_dir, tmp_path):

@@ -130,7 +130,7 @@ def test_a_tt_training_step_makes_no_host_syncs():
 
     model = build("bert-mlm")
     comera_convert.convert(model, ratio=3, gates=True)
-    controller = RankController(model, TrainOptions(), dense_params=1)
+    controller = RankController(model, TrainOptions().for_objective("mlm"), dense_params=1)
     model.cuda().train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
     ids = torch.randint(0, model.config.vocab_size, (2, 16), device="cuda")

@@ -95,7 +95,7 @@ def test_training_lowers_the_loss_prunes_ranks_and_exports_a_smaller_model(tmp_p
 
 def test_gates_shrink_and_stage_switch_fixes_a_target(tmp_path, tokenizer):
     model = comera_convert.from_pretrained(compressed(tmp_path, tokenizer))
-    options = TrainOptions(steps=10, early_steps=4, target_fraction=0.5)
+    options = TrainOptions(steps=10, early_steps=4, target_fraction=0.5).for_objective("mlm")
     controller = RankController(model, options, dense_params=10 ** 6)
     size = controller.size()
     controller.observe_loss(3.0)
@@ -130,7 +130,7 @@ def test_whole_multiples_close_the_weakest_candidates_down_to_a_multiple():
 
 def test_pruning_in_multiples_keeps_open_ranks_multiples(tmp_path, tokenizer):
     model = comera_convert.from_pretrained(compressed(tmp_path, tokenizer))
-    controller = RankController(model, TrainOptions(rank_multiple=4), dense_params=10 ** 6)
+    controller = RankController(model, TrainOptions(rank_multiple=4).for_objective("mlm"), dense_params=10 ** 6)
     _, module = max(controller.modules, key=lambda item: max(item[1].bond_dims))
     bond = max(range(len(module.bond_dims)), key=lambda k: module.bond_dims[k])
     size = module.bond_dims[bond]
@@ -298,7 +298,7 @@ def test_checkpointing_arguments_raise_no_deprecation_warning(tmp_path, enabled)
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
-        args = training_arguments(TrainOptions(gradient_checkpointing=enabled), tmp_path)
+        args = training_arguments(TrainOptions(gradient_checkpointing=enabled).for_objective("mlm"), tmp_path)
     assert args.gradient_checkpointing is enabled
     assert (args.gradient_checkpointing_kwargs or {}).get("use_reentrant", False) is False
 
@@ -352,9 +352,12 @@ class StopAt(TrainerCallback):
             control.should_training_stop = True
 
 
-def test_resume_continues_exactly(tmp_path, tokenizer, corpus):
-    path = compressed(tmp_path, tokenizer)
-    options = TrainOptions(objective="mlm", data=str(corpus), **FAST)
+@pytest.mark.parametrize("target", [None, 4.0])
+def test_resume_continues_exactly(tmp_path, tokenizer, corpus, target):
+    path = compressed(tmp_path, tokenizer, ratio=2)
+    # With a target ratio the budget closes entries by importance: the scores travel in the checkpoint.
+    extra = {} if target is None else {"target_ratio": target, "lr_gates": 1e-3}
+    options = TrainOptions(objective="mlm", data=str(corpus), **{**FAST, **extra})
     train(str(path), options, tmp_path / "straight")
     train(str(path), options, tmp_path / "resumed", callbacks=[StopAt(6)])  # "interrupted" after checkpoint-6
     train(str(path), options, tmp_path / "resumed", resume=True)
@@ -419,7 +422,7 @@ def test_bad_input_is_a_clear_error(tmp_path, tokenizer, corpus, problem):
     path = compressed(tmp_path, tokenizer)
     expected = {"missing data": "no such file or directory", "empty data": "no text files",
                 "not compressed": "is not a compressed model", "mlm on gpt2": "gpt2 is causal",
-                "target below current": "lower than the model's current ratio",
+                "target below current": "is not above the model's current ratio",
                 "no gates": "no rank gates", "nothing to resume": "holds no checkpoint"}[problem]
     resume = False
     if problem == "missing data":
@@ -451,12 +454,13 @@ def test_two_process_ddp_over_gloo(tmp_path, tokenizer, corpus):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
                "-m", "comera_convert", "train", str(path), "--objective", "mlm", "--data", str(corpus),
                "--steps", "6", "--seq-len", "32", "--batch-size", "2", "--lr-gates", "0.2",
-               "--early-steps", "3", "--save-steps", "6", "--out", str(tmp_path / "ddp")]
+               "--early-steps", "3", "--save-steps", "6", "--target-ratio", "4", "--out", str(tmp_path / "ddp")]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stdout[-1500:] + done.stderr[-3000:]
     trained = comera_convert.from_pretrained(tmp_path / "ddp")
-    assert count_params(trained) > 0
+    # Both workers closed the same entries by the same importance (the end check compares them).
+    assert 4.0 <= _dense_params(path) / count_params(trained) <= 4.0 * 1.02
     state = trained.config.quantization_config.to_dict()
     assert state["modules"]
 
@@ -475,3 +479,134 @@ def test_mlm_on_a_base_model_gets_a_head_tied_to_its_tt_embedding(tmp_path, toke
     assert mlm.cls.predictions.decoder.embedding is mlm.bert.embeddings.word_embeddings
     result = train(str(tmp_path / "base"), TrainOptions(objective="mlm", data=str(corpus), **FAST), tmp_path / "out")
     assert result.held_out_after < result.held_out_before
+
+
+# -- --target-ratio: the late stage's budget ---------------------------------------------------------
+TARGET = {**FAST, "steps": 16, "lr_gates": 1e-3, "target_ratio": 4.0}
+
+
+class OpenEntries(TrainerCallback):
+    """Each step's open gate entries, to check that a closed entry never reopens."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.steps.append([g.detach() != 0 for m in model.modules()
+                           if isinstance(m, comera_convert.TTModule) for g in m.gates])
+
+
+def _dense_params(path) -> int:
+    return json.loads((path / "config.json").read_text())["quantization_config"]["dense_params"]
+
+
+@pytest.mark.parametrize("multiple", [1, 4])
+def test_a_target_ratio_is_reached_by_the_end_and_closed_entries_stay_closed(tmp_path, tokenizer, corpus,
+                                                                           multiple):
+    path = compressed(tmp_path, tokenizer, ratio=2)
+    before = [m.bond_dims for m in comera_convert.from_pretrained(path).modules()
+              if isinstance(m, comera_convert.TTModule)]
+    watch = OpenEntries()
+    result = train(str(path), TrainOptions(objective="mlm", data=str(corpus), rank_multiple=multiple, **TARGET),
+                   tmp_path / "out", callbacks=[watch])
+    assert result.shortfall is None and result.ratio_before == pytest.approx(2, rel=0.05)
+    trained = comera_convert.from_pretrained(tmp_path / "out")
+    exported = _dense_params(path) / count_params(trained)
+    assert exported == pytest.approx(result.ratio_after) and 4.0 <= exported <= 4.0 * 1.02
+    for earlier, later in zip(watch.steps, watch.steps[1:]):
+        assert all(torch.equal(b & ~a, torch.zeros_like(a)) for a, b in zip(earlier, later))  # never reopened
+    history = json.loads((tmp_path / "out" / "comera_history.json").read_text())
+    assert all(h["target_ratio"] == 4.0 for h in history)
+    late = [h for h in history if h["stage"] == "late"]
+    assert late[-1]["budget_ratio"] == pytest.approx(4.0, rel=0.02)
+    assert all(h["ratio"] >= h["budget_ratio"] * 0.999 for h in late)  # the size keeps to its budget
+    record = json.loads((tmp_path / "out" / "comera_report.json").read_text())["extra"]["training"]
+    assert record["target_ratio"] == 4.0 and record["target_reached"] is True
+    after = [m.bond_dims for m in trained.modules() if isinstance(m, comera_convert.TTModule)]
+    changed = [a for dims_after, dims_before in zip(after, before)
+               for a, b in zip(dims_after, dims_before) if a != b]
+    assert changed and all(a % multiple == 0 for a in changed)
+
+
+def test_a_run_stopped_before_its_schedule_ends_says_it_missed_the_target(tmp_path, tokenizer, corpus):
+    path = compressed(tmp_path, tokenizer, ratio=2)
+    result = train(str(path), TrainOptions(objective="mlm", data=str(corpus), **TARGET), tmp_path / "out",
+                   callbacks=[StopAt(7)])
+    assert result.ratio_before < result.ratio_after < 4.0 * 0.98
+    assert re.fullmatch(r"target ratio 4x missed: reached \d\.\d\dx, the run stopped at step 7 before its budget "
+                        r"schedule's end \(step 13\): resume it \(--resume\) or train longer", result.shortfall)
+    record = json.loads((tmp_path / "out" / "comera_report.json").read_text())["extra"]["training"]
+    assert record["target_reached"] is False
+
+
+def test_the_budget_closes_the_entries_the_loss_needs_least(tmp_path, tokenizer):
+    path = compressed(tmp_path, tokenizer, ratio=2)
+    model = comera_convert.from_pretrained(path)
+    options = TrainOptions(steps=10, early_steps=2, target_ratio=2.2).for_objective("mlm")
+    controller = RankController(model, options, dense_params=_dense_params(path))
+    # Importance from gradients: the running average of (g * dL/dg)^2 (the gates are 1 here).
+    gate = controller.modules[0][1].gates[0]
+    gate.grad = torch.linspace(-1, 1, len(gate))
+    controller.observe_gradients()
+    assert torch.allclose(controller.importance[0][0], 0.15 * gate.grad ** 2)
+    for scores in controller.importance:
+        for score in scores:
+            score.fill_(1.0)
+    name, module = max(controller.modules, key=lambda item: item[1].num_tt_parameters())
+    index = controller.modules.index((name, module))
+    controller.importance[index][0][:3] = 0.0  # three entries the loss does not need
+    controller.switch(2)
+    closed = controller.enforce_budget(3)
+    assert closed >= 3 and not (module.gates[0][:3] != 0).any()
+    assert controller.size() <= controller.state.budget < controller.state.size_at_switch
+    assert controller.enforce_budget(10) > 0 and controller.shortfall(10) is None
+
+
+@pytest.mark.parametrize("problem,expected", [
+    ("at current", "target ratio 2 is not above the model's current ratio 2.0"),
+    ("beyond floors", r"target ratio 1000 is beyond what the smallest ranks allow: \d+\.\d\dx with every bond at "
+                      r"its floor \(a quarter of its rank now\)"),
+    ("no late stage", "needs a late stage to compress in: 16 steps with 16 early steps leave none")])
+def test_target_ratios_that_cannot_be_headed_for_are_refused(tmp_path, tokenizer, corpus, problem, expected):
+    path = compressed(tmp_path, tokenizer, ratio=2)
+    ratio = {"at current": 2.0, "beyond floors": 1000.0, "no late stage": 4.0}[problem]
+    with pytest.raises(ConfigError, match=expected):
+        options = TrainOptions(objective="mlm", data=str(corpus),
+                               **{**TARGET, "target_ratio": ratio,
+                                  "early_steps": 16 if problem == "no late stage" else 4})
+        train(str(path), options, tmp_path / "out")
+
+
+def test_auto_distills_an_encoder_without_an_lm_head_from_its_recorded_source(tmp_path, tokenizer, corpus):
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                                 vocab_size=tokenizer.vocab_size, max_position_embeddings=64))
+    model.save_pretrained(tmp_path / "dense")
+    comera_convert.convert(model, ratio=2, source=str(tmp_path / "dense"))
+    model.save_pretrained(tmp_path / "encoder")
+    tokenizer.save_pretrained(tmp_path / "encoder")
+    options = TrainOptions(data=str(corpus), steps=12, seq_len=32, batch_size=4, max_eval_blocks=8, save_steps=12)
+    result = train(str(tmp_path / "encoder"), options, tmp_path / "out")
+    assert result.objective == "distill"
+    assert result.objective_note.startswith(f"objective auto: distill from {tmp_path / 'dense'} (BertModel has no "
+                                            "LM head")
+    # The distillation defaults, with no option set, lower the held-out distillation loss.
+    assert result.held_out_after < result.held_out_before
+    saved = json.loads((tmp_path / "out" / "comera_report.json").read_text())["extra"]["training"]["options"]
+    assert (saved["lr_cores"], saved["dropout"], saved["lr_scheduler_type"], saved["document_starts"]) == (
+        1e-3, 0.0, "cosine", 0.5)
+
+
+def test_unset_options_take_their_objectives_defaults_and_set_ones_stay():
+    mlm = TrainOptions().for_objective("mlm")
+    assert (mlm.lr_cores, mlm.lr_rest, mlm.warmup_steps, mlm.lr_scheduler_type, mlm.document_starts, mlm.dropout,
+            mlm.beta, mlm.early_steps) == (1e-4, 5e-5, 0, "constant", 0.0, None, 0.01, 666)
+    distill = TrainOptions(lr_cores=3e-4, steps=200).for_objective("distill", encoder=False)
+    assert (distill.lr_cores, distill.lr_rest, distill.warmup_steps, distill.document_starts) == (3e-4, 1e-4, 20, 0.0)
+    # Without a target, distillation keeps the size: no late stage, no size term. With one, CoMERA's stages.
+    assert (distill.beta, distill.early_steps) == (0.0, 200)
+    compressing = TrainOptions(steps=300, target_ratio=4).for_objective("distill", encoder=True)
+    assert (compressing.beta, compressing.early_steps, compressing.document_starts) == (0.01, 200, 0.5)
+    assert not TrainOptions().resolved and mlm.resolved

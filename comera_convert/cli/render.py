@@ -66,7 +66,21 @@ def totals_table(report, disk_bytes: int | None = None) -> Table:
         table.add_row("stored as", extra["storage_dtype"])
     if report.seconds is not None:
         table.add_row("conversion time", f"{report.seconds:.1f} s")
+    if "training" in extra:
+        table.add_row("training", _training_text(extra["training"]))
     return table
+
+
+def _training_text(training: dict) -> str:
+    """What `comera train` recorded: objective, steps, the held-out loss and the target ratio."""
+    text = (f"{training.get('objective', '?')}, {training.get('steps', '?')} steps, held-out loss "
+            f"{training.get('held_out_loss_before', float('nan')):.4f} -> "
+            f"{training.get('held_out_loss_after', float('nan')):.4f}")
+    if training.get("target_ratio") is not None:
+        outcome = "reached" if training.get("target_reached") else "missed"
+        text += (f"; target ratio {training['target_ratio']:g}x {outcome} "
+                 f"({training.get('ratio_reached', float('nan')):.2f}x)")
+    return text
 
 
 def compare_table(infos) -> Table:

@@ -8,7 +8,7 @@ import click
 
 from ..training.options import LR_SCHEDULERS, OBJECTIVES
 from . import main
-from .console import console
+from .console import console, show_library_logs
 
 
 def _rich_progress_callback(total_steps: int, tokens_per_step: int):
@@ -62,14 +62,17 @@ OPTION_NAMES = ["objective", "data", "steps", "seq_len", "batch_size", "gradient
 @click.option("--objective", type=click.Choice(OBJECTIVES), default=None,
               help="Task loss [default: auto].")
 @click.option("--max-steps", "--steps", "steps", type=int, default=None, help="Optimizer steps [default: 1000].")
-@click.option("--target-ratio", type=float, default=None, help="Whole-model ratio to reach in the late stage.")
+@click.option("--target-ratio", type=float, default=None,
+              help="Whole-model ratio to reach by the end: ranks close by importance over the late stage.")
 @click.option("--seq-len", type=int, default=None, help="Tokens per packed block [default: 128].")
 @click.option("--per-device-train-batch-size", "--batch-size", "batch_size", type=int, default=None,
               help="Blocks per step and device [default: 8].")
 @click.option("--gradient-accumulation-steps", type=int, default=None)
-@click.option("--lr-cores", type=float, default=None, help="AdamW rate of the TT cores [default: 1e-4].")
+@click.option("--lr-cores", type=float, default=None,
+              help="AdamW rate of the TT cores [default: 1e-4; 1e-3 to distill].")
 @click.option("--lr-gates", type=float, default=None, help="AdamW rate of the rank gates [default: 1e-3].")
-@click.option("--lr-rest", type=float, default=None, help="AdamW rate of dense parameters [default: 5e-5].")
+@click.option("--lr-rest", type=float, default=None,
+              help="AdamW rate of dense parameters [default: 5e-5; 1e-4 to distill].")
 @click.option("--beta", type=float, default=None, help="Weight of the rank term, early stage [default: 0.01].")
 @click.option("--tau", type=float, default=None, help="Gate pruning threshold [default: 1e-2].")
 @click.option("--rank-multiple", type=int, default=None,
@@ -80,12 +83,13 @@ OPTION_NAMES = ["objective", "data", "steps", "seq_len", "batch_size", "gradient
 @click.option("--save-steps", type=int, default=None)
 @click.option("--warmup-steps", type=int, default=None)
 @click.option("--lr-scheduler-type", type=click.Choice(LR_SCHEDULERS), default=None,
-              help="Learning rates after the warm-up: held (CoMERA) or decayed to 0 [default: constant].")
+              help="Learning rates after the warm-up: held (CoMERA) or decayed to 0 "
+                   "[default: constant; cosine to distill].")
 @click.option("--dropout", type=float, default=None,
-              help="Every dropout probability while training, e.g. 0 to distill [default: the model's].")
+              help="Every dropout probability while training [default: the model's; 0 to distill].")
 @click.option("--document-starts", type=float, default=None,
-              help="Share of training draws that are a document's first block, e.g. 0.5 to distill a "
-                   "sentence encoder [default: 0, packed blocks only].")
+              help="Share of training draws that are a document's first block [default: 0, packed blocks "
+                   "only; 0.5 to distill a sentence encoder].")
 @click.option("--gradient-checkpointing", is_flag=True, default=None,
               help="Recompute each layer's activations in backward: less memory, more compute.")
 @click.option("--seed", type=int, default=None)
@@ -101,6 +105,7 @@ def train(model, recipe, out, resume, overwrite, **values):
     from ..training import train as run_training
 
     options = train_options(recipe, {k: values[k] for k in OPTION_NAMES})
+    show_library_logs()  # what --objective auto picked, the stage switch, a missed target
     tokens = options.batch_size * options.gradient_accumulation_steps * options.seq_len
     result = run_training(model, options, out, resume=resume, overwrite=overwrite,
                           callbacks=[_rich_progress_callback(options.steps, tokens)])
@@ -110,9 +115,11 @@ def train(model, recipe, out, resume, overwrite, **values):
 
     printer = console()
     printer.print(modules_table(result.report, by_block=False))
+    target = "" if result.target_ratio is None else (
+        f" (target {result.target_ratio:g}x, {'missed' if result.shortfall else 'reached'})")
     printer.print(f"objective {result.objective}, {result.steps} steps: held-out loss "
                   f"{result.held_out_before:.4f} -> {result.held_out_after:.4f}; ratio "
-                  f"{result.ratio_before:.2f}x -> {result.ratio_after:.2f}x")
+                  f"{result.ratio_before:.2f}x -> {result.ratio_after:.2f}x{target}")
     if result.cosine_after is not None:
         printer.print(f"held-out sentence-embedding cosine to the teacher {result.cosine_before:.3f} -> "
                       f"{result.cosine_after:.3f} (packed blocks; `comera eval {result.out}` for texts as written)")

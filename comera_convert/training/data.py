@@ -38,6 +38,10 @@ TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".c", ".h", ".js", ".ts", ".java"
 # A tokenizer that turns more than this share of a text into its unknown token cannot read it.
 MAX_UNKNOWN_SHARE = 0.5
 UNKNOWN_CHECK_TOKENS = 20_000  # checked after this much text, so that a hopeless source fails fast
+# A --data file is binary when its first 8 KiB hold a NUL byte (as git and grep decide), or when
+# more than a tenth of it does not decode as UTF-8.
+BINARY_PROBE_BYTES = 8192
+MAX_UNDECODABLE_SHARE = 0.1
 HELD_OUT_EVERY = 20  # document i is held out when i % 20 == 19: 5 %
 
 
@@ -72,6 +76,19 @@ def _read(path: Path) -> str | None:
         return path.read_text(encoding="utf-8")
     except (UnicodeDecodeError, OSError):
         return None
+
+
+def _text_file(path: Path) -> str:
+    """A file given as text: refused, naming it, when it is binary (NUL bytes) or mostly not UTF-8."""
+    data = path.read_bytes()
+    text = data.decode("utf-8", errors="replace")
+    undecodable = text.count("\ufffd") / max(len(text), 1)
+    has_nul = b"\0" in data[:BINARY_PROBE_BYTES]
+    if has_nul or undecodable > MAX_UNDECODABLE_SHARE:
+        why = "it holds NUL bytes" if has_nul else f"{undecodable:.0%} of it is not UTF-8"
+        raise ConfigError(f"--data {path} is not a text file ({why}): pass text, a folder of text files, "
+                          f"a JSONL file with a \"text\" field, or a built-in corpus ({', '.join(CORPORA)})")
+    return text
 
 
 def _jsonl(path: Path) -> Iterator[str]:
@@ -127,8 +144,7 @@ def documents(source: str) -> Iterator[str]:
         yield from _dataset(str(path))
         return
     if path.is_file():
-        yield from (_jsonl(path) if path.suffix == ".jsonl" else [path.read_text(encoding="utf-8",
-                                                                                  errors="replace")])
+        yield from (_jsonl(path) if path.suffix == ".jsonl" else [_text_file(path)])
     elif path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
         if not files:

@@ -3,7 +3,9 @@
 mlm      masked LM (encoders); a base model gets an LM head whose decoder is tied to its embedding
 clm      causal LM (decoders)
 distill  match the dense teacher's hidden states, layer by layer, and its mean-pooled sentence embedding
-auto     mlm for encoders, clm for decoders
+auto     the checkpoint's own: mlm for an encoder with its masked-LM head, clm for decoders, and
+         distill (from the recorded source) for an encoder without an LM head, such as a sentence
+         encoder saved as its base model
 """
 
 from __future__ import annotations
@@ -33,6 +35,25 @@ def resolve_objective(objective: str, config: dict) -> str:
         raise ConfigError(f"objective clm needs a causal-LM architecture; {model_type} has none: "
                           "use --objective mlm (or distill)")
     return objective
+
+
+# Class-name parts of the transformers architectures that carry a language-modelling head.
+LM_HEAD_MARKERS = ("MaskedLM", "CausalLM", "LMHead", "ForPreTraining")
+
+
+def pick_objective(objective: str, config: dict, source: str | None) -> tuple[str, str | None]:
+    """The objective to train with and, for ``auto``, a line saying what it picked and why."""
+    resolved = resolve_objective(objective, config)
+    if objective != "auto":
+        return resolved, None
+    architectures = config.get("architectures") or [config.get("model_type", "the model")]
+    head = any(marker in name for name in architectures for marker in LM_HEAD_MARKERS)
+    if resolved == "mlm" and not head and source:
+        return "distill", (f"objective auto: distill from {source} ({architectures[0]} has no LM head; "
+                           "--objective mlm adds one tied to the embedding)")
+    why = ("has its LM head" if head else "is a decoder" if resolved == "clm"
+           else "has no recorded source to distill from")
+    return resolved, f"objective auto: {resolved} ({architectures[0]} {why})"
 
 
 def task_for(objective: str) -> str:

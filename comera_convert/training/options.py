@@ -9,7 +9,7 @@ aiming at 0.2 of the model size at the switch.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from ..errors import ConfigError, expected
 from ..option_files import from_mapping
@@ -18,6 +18,18 @@ OBJECTIVES = ("auto", "mlm", "clm", "distill")
 # Learning-rate schedules after the warm-up (transformers' names). CoMERA trains at constant rates;
 # a decaying rate ends distillation on a settled model instead of a noisy iterate.
 LR_SCHEDULERS = ("constant", "linear", "cosine")
+# The options left unset (None) take these by objective. Pre-training (mlm, clm) keeps CoMERA's
+# rates. Distillation starts far from its optimum and matches an eval-mode teacher, so it trains the
+# cores faster, without dropout, and ends on a decayed rate (recipes/train-minilm-distill.yaml, where
+# each was measured); an encoder also sees its documents' first blocks, as it embeds texts.
+# Without a --target-ratio, distillation keeps the size (no late stage, no size term, as its recipe):
+# the min-max late stage would spend a third of the run shrinking gates instead of matching the
+# teacher, and the size term alone moves every gate by AdamW's step (1e-3) a step.
+PRETRAINING_DEFAULTS = dict(lr_cores=1e-4, lr_rest=5e-5, warmup_steps=0, lr_scheduler_type="constant",
+                            document_starts=0.0, beta=0.01)
+DISTILL_DEFAULTS = dict(lr_cores=1e-3, lr_rest=1e-4, dropout=0.0, lr_scheduler_type="cosine",
+                        document_starts=0.5, beta=0.0)
+DISTILL_WARMUP = 50  # steps, at most a tenth of the run
 
 
 def _check_share(name: str, value) -> None:
@@ -35,15 +47,15 @@ class TrainOptions:
     seq_len: int = 128
     batch_size: int = 8  # per device, as TrainingArguments' per_device_train_batch_size
     gradient_accumulation_steps: int = 1
-    # CoMERA's three AdamW learning rates.
-    lr_cores: float = 1e-4
+    # CoMERA's three AdamW learning rates (None: by objective, PRETRAINING_DEFAULTS / DISTILL_DEFAULTS).
+    lr_cores: float | None = None
     lr_gates: float = 1e-3
-    lr_rest: float = 5e-5
+    lr_rest: float | None = None
     weight_decay: float = 0.01  # cores and dense rest; gates have none (their size term is the regularizer)
-    warmup_steps: int = 0
-    lr_scheduler_type: str = "constant"
-    # Early stage: L + beta * mean(|active gates|).
-    beta: float = 0.01
+    warmup_steps: int | None = None  # None: 0, or up to 50 to distill
+    lr_scheduler_type: str | None = None  # None: constant (CoMERA), cosine to distill
+    # Early stage: L + beta * mean(|active gates|). None: 0.01 (CoMERA), 0 to distill without a target ratio.
+    beta: float | None = None
     # A gate entry below tau is pruned for good (CoMERA's 1e-2).
     tau: float = 1e-2
     # Prune in whole multiples: a bond closes entries only as many at a time as keep its open
@@ -51,7 +63,8 @@ class TrainOptions:
     # tensor-core shapes after rank adaptation, as `comera convert --rank-multiple 8` does at
     # conversion (one H100 layer: rank 160 2.5x faster than 163). 1 prunes entry by entry (CoMERA).
     rank_multiple: int = 1
-    # Steps of the early stage; None = two thirds of `steps` (CoMERA: 20 of 30 epochs).
+    # Steps of the early stage; None = two thirds of `steps` (CoMERA: 20 of 30 epochs), or all of
+    # them to distill without a target ratio.
     early_steps: int | None = None
     # Also switch early when the loss stops improving: relative EMA gain below plateau_tol over
     # plateau_window steps. 0 disables the plateau test.
@@ -71,11 +84,11 @@ class TrainOptions:
     # Share of the training draws that are a training document's first block ([CLS] and the text
     # from its start, as a sentence encoder embeds it); the rest are packed blocks that start
     # anywhere. 0 (packed blocks only) is pre-training's usual; distilling a sentence encoder
-    # gains from matching how its texts begin (recipes/train-minilm-distill.yaml: 0.5).
-    document_starts: float = 0.0
+    # gains from matching how its texts begin (recipes/train-minilm-distill.yaml: 0.5). None: by objective.
+    document_starts: float | None = None
     # Every dropout probability of the model while it trains (its nn.Dropout modules, which BERT's
     # and GPT-2's attention also read, and Llama-style attention's float attention_dropout); None
-    # keeps the model's own. The saved config keeps its own.
+    # keeps the model's own (0 to distill). The saved config keeps its own.
     dropout: float | None = None
     # Activation checkpointing (transformers' gradient checkpointing, layer by layer): each layer's
     # activations are recomputed in backward instead of kept. Less memory, about a third more compute.
@@ -94,7 +107,7 @@ class TrainOptions:
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
             raise ConfigError(expected(f"an objective in {OBJECTIVES}", self.objective))
-        if self.lr_scheduler_type not in LR_SCHEDULERS:
+        if self.lr_scheduler_type is not None and self.lr_scheduler_type not in LR_SCHEDULERS:
             raise ConfigError(expected(f"an lr_scheduler_type in {LR_SCHEDULERS}", self.lr_scheduler_type))
         for name in ("steps", "seq_len", "batch_size", "gradient_accumulation_steps", "logging_steps",
                      "save_steps", "max_nan_steps", "max_eval_blocks", "rank_multiple"):
@@ -103,11 +116,17 @@ class TrainOptions:
                 raise ConfigError(expected(f"{name} as a positive integer", value))
         for name in ("lr_cores", "lr_gates", "lr_rest", "beta", "tau", "target_fraction", "mlm_probability"):
             value = getattr(self, name)
+            if value is None and name in PRETRAINING_DEFAULTS:
+                continue
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ConfigError(expected(f"{name} as a non-negative number", value))
+        warmup = self.warmup_steps
+        if warmup is not None and (isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0):
+            raise ConfigError(expected("warmup_steps as a non-negative integer", self.warmup_steps))
         if self.dropout is not None:
             _check_share("dropout", self.dropout)
-        _check_share("document_starts", self.document_starts)
+        if self.document_starts is not None:
+            _check_share("document_starts", self.document_starts)
         if not isinstance(self.gradient_checkpointing, bool):
             raise ConfigError(expected("gradient_checkpointing as true or false", self.gradient_checkpointing))
         if not 0 < self.target_fraction <= 1:
@@ -115,10 +134,34 @@ class TrainOptions:
         if self.target_ratio is not None and (not isinstance(self.target_ratio, (int, float))
                                               or self.target_ratio <= 1):
             raise ConfigError(expected("a target ratio greater than 1", self.target_ratio))
-        if self.early_steps is None:
-            self.early_steps = max(1, (2 * self.steps) // 3)
-        if not 0 <= self.early_steps <= self.steps:
+        if self.early_steps is not None and not 0 <= self.early_steps <= self.steps:
             raise ConfigError(expected(f"early_steps between 0 and steps ({self.steps})", self.early_steps))
+        early = self.early_steps if self.early_steps is not None else self._comera_early_steps()
+        if self.target_ratio is not None and early >= self.steps:
+            raise ConfigError(f"--target-ratio needs a late stage to compress in: {self.steps} steps with "
+                              f"{early} early steps leave none (lower --early-steps or raise --steps)")
+
+    def _comera_early_steps(self) -> int:
+        return max(1, (2 * self.steps) // 3)
+
+    @property
+    def resolved(self) -> bool:
+        """Whether every field that defaults by objective is set (``for_objective`` sets them)."""
+        return all(getattr(self, name) is not None for name in (*PRETRAINING_DEFAULTS, "early_steps"))
+
+    def for_objective(self, objective: str, encoder: bool = False) -> "TrainOptions":
+        """These options with every unset (None) field given its default for ``objective`` (mlm, clm
+        or distill); ``encoder``: the student is a sentence encoder (document starts help it)."""
+        defaults = dict(PRETRAINING_DEFAULTS, early_steps=self._comera_early_steps())
+        if objective == "distill":
+            defaults.update(DISTILL_DEFAULTS, warmup_steps=min(DISTILL_WARMUP, self.steps // 10),
+                            document_starts=DISTILL_DEFAULTS["document_starts"] if encoder else 0.0)
+            if self.target_ratio is None:
+                defaults.update(early_steps=self.steps)
+            else:
+                defaults.update(beta=PRETRAINING_DEFAULTS["beta"])
+        unset = {name: value for name, value in defaults.items() if getattr(self, name) is None}
+        return replace(self, **unset)
 
     @classmethod
     def from_dict(cls, data: dict, origin: str = "options") -> "TrainOptions":

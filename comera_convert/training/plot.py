@@ -22,6 +22,13 @@ def plot_history(history: list[dict], path: Path) -> Path | None:
     ratio_axis = loss_axis.twinx()
     ratio_axis.plot(steps, [h["ratio"] for h in rows], color="tab:red", label="model ratio")
     ratio_axis.set_ylabel("compression ratio vs dense", color="tab:red")
+    budget = [(h["step"], h["budget_ratio"]) for h in rows if h.get("budget_ratio") is not None]
+    if budget:
+        ratio_axis.plot(*zip(*budget), color="tab:red", linestyle=":", linewidth=1, label="budget")
+    target = rows[-1].get("target_ratio")
+    if target is not None:
+        ratio_axis.axhline(target, color="tab:red", linestyle="--", linewidth=1)
+        ratio_axis.text(steps[0], target, f" target {target:g}x", va="bottom", fontsize=8, color="tab:red")
     late = [h["step"] for h in rows if h.get("stage") == "late"]
     if late:
         loss_axis.axvline(late[0], color="gray", linestyle="--", linewidth=1)

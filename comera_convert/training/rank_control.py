@@ -6,6 +6,15 @@ the open (nonzero) entries of each bond's gate. Its differentiable surrogate R i
 drive towards a target (L0, S0) along the subgradient of max{(L - L0)/L, (S - S0)/S}: the
 size term when size is the worse-off objective, the task loss otherwise, plus a small
 weighted-sum term.
+
+With a target ratio, S0 is the scheduled budget of the step (``budget.py``), and entries close
+by importance whenever the size is over it: an exponential moving average of (g * dL/dg)^2 per
+gate entry, weighed against the parameters the entry frees. Half of it is the second-order
+(empirical Fisher, Optimal Brain Damage) estimate of the loss increase if the entry closed; L is
+the step's objective, whose task loss dominates while the size keeps to its budget. The
+first-order |g * dL/dg| (AdaLoRA's sensitivity) ranks worse once training has settled the gates,
+where the gradient averages to zero whatever an entry is worth: MiniLM 2x -> 4x, 300 steps,
+held-out cosine 0.658 against 0.668.
 """
 
 from __future__ import annotations
@@ -18,19 +27,29 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..layers import TTModule
+from .budget import SCHEDULE_SHARE, ModuleBonds, bond_floor, choose_closures, scheduled_size
 
 EARLY, LATE = "early", "late"
+# Smoothing of the importance scores across steps (AdaLoRA's 0.85): one batch's gradient is noisy.
+IMPORTANCE_DECAY = 0.85
+# A run reaches its target ratio when the model holds at most this much more than dense / target.
+TARGET_TOLERANCE = 0.02
 
 
 def gated_modules(model: nn.Module) -> list[tuple[str, TTModule]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, TTModule) and m.gates is not None]
 
 
-def module_size(module: TTModule) -> int:
-    """Stored entries of the module's cores at its open ranks (what truncation would keep)."""
-    open_ranks = (1,) + module.ranks + (1,)
-    physical = [math.prod(shape[1:-1]) for shape in module.spec.core_shapes()]
-    return sum(n * open_ranks[k] * open_ranks[k + 1] for k, n in enumerate(physical))
+def physical_sizes(module: TTModule) -> list[int]:
+    """Per core, the product of its physical (non-rank) dimensions."""
+    return [math.prod(shape[1:-1]) for shape in module.spec.core_shapes()]
+
+
+def module_size(module: TTModule, ranks: tuple[int, ...] | None = None) -> int:
+    """Stored entries of the module's cores at its open ranks (what truncation would keep), or at
+    ``ranks``."""
+    open_ranks = (1,) + (module.ranks if ranks is None else tuple(ranks)) + (1,)
+    return sum(n * open_ranks[k] * open_ranks[k + 1] for k, n in enumerate(physical_sizes(module)))
 
 
 def whole_multiples(closing: torch.Tensor, is_open: torch.Tensor, gate: torch.Tensor,
@@ -57,6 +76,8 @@ class RankState:
     target_loss: float | None = None
     loss_ema: float | None = None
     ema_history: list[float] = field(default_factory=list)
+    budget: int | None = None  # the late stage's scheduled TT size at the last step (--target-ratio)
+    importance: list[list[float]] | None = None  # per gate entry, every gate of every module in order
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -66,6 +87,9 @@ class RankController:
     """Gates of every TT module of a model: size, surrogate, pruning and the staged objective."""
 
     def __init__(self, model: nn.Module, options, dense_params: int):
+        if not options.resolved:
+            raise ValueError("RankController needs options whose defaults are resolved: "
+                             "TrainOptions.for_objective(objective)")
         self.modules = gated_modules(model)
         if not self.modules:
             raise ConfigError("the model has no rank gates, so CoMERA's rank adaptation cannot run: "
@@ -77,6 +101,11 @@ class RankController:
         # Open entries per gate. Closed is for good: an optimizer step's momentum must not reopen
         # an entry. A gate that starts at zero (a resumed, expanded checkpoint) starts closed.
         self.sync_open()
+        self.importance = [[torch.zeros(len(g)) for g in m.gates] for _, m in self.modules]
+        # The fewest entries each bond keeps under the budget, from its rank as training starts.
+        self.floors = [[bond_floor(r, options.rank_multiple) for r in m.ranks] for _, m in self.modules]
+        if options.target_ratio is not None:
+            self.check_target(options.target_ratio)
 
     def sync_open(self) -> None:
         """Take the open entries from the gates as they are (after loading a checkpoint)."""
@@ -98,6 +127,31 @@ class RankController:
     def ratio(self) -> float:
         return self.dense_params / max(self.model_params(), 1)
 
+    def ratio_at_size(self, size: int) -> float:
+        """The whole model's ratio if its TT part held ``size`` entries."""
+        return self.dense_params / max(self.model_params() - self.size() + size, 1)
+
+    def floor_params(self) -> int:
+        """The whole model's parameter count with every bond closed down to its floor."""
+        total = self.model_params()
+        for (_, module), floors in zip(self.modules, self.floors):
+            floors = tuple(min(f, r) for f, r in zip(floors, module.ranks))
+            total += module_size(module, floors) + sum(floors) - module_size(module) - sum(module.ranks)
+        return total
+
+    def check_target(self, target_ratio: float) -> None:
+        """Refuse a target the run cannot head for: at or below the current ratio, or beyond the floors."""
+        ratio = self.ratio()
+        if target_ratio <= ratio * (1 + 1e-3):
+            raise ConfigError(f"target ratio {target_ratio:g} is not above the model's current ratio "
+                              f"{ratio:.2f}x: training only compresses further (ask for more, or leave out "
+                              "--target-ratio)")
+        ceiling = self.dense_params / self.floor_params()
+        if target_ratio > ceiling:
+            raise ConfigError(f"target ratio {target_ratio:g} is beyond what the smallest ranks allow: "
+                              f"{ceiling:.2f}x with every bond at its floor (a quarter of its rank now); "
+                              f"ask for at most {ceiling:.2f}, or convert at a higher --ratio first")
+
     def ranks(self) -> dict[str, tuple[int, ...]]:
         return {name: module.ranks for name, module in self.modules}
 
@@ -113,13 +167,16 @@ class RankController:
         """Close gate entries below tau for good (gate and core slices zeroed); returns how many closed.
 
         Runs after every optimizer step; it also puts back to zero the closed entries that the
-        step moved (AdamW's momentum keeps moving them), so closed stays closed.
+        step moved (AdamW's momentum keeps moving them), so closed stays closed. With a target
+        ratio the budget decides every closure instead (``enforce_budget``: a gate near zero has
+        near-zero importance, so it goes first), and the size lands on the target, not below it.
         """
         closed = 0
+        by_tau = self.options.target_ratio is None
         for (_, module), masks in zip(self.modules, self.open):
             for i, gate in enumerate(module.gates):
                 mask = masks[i] = masks[i].to(gate.device)  # the model may have moved (Trainer, .cuda())
-                newly = mask & (gate.abs() < self.options.tau)
+                newly = mask & (gate.abs() < self.options.tau) if by_tau else torch.zeros_like(mask)
                 # Never close a bond's last open entry: spare the strongest when nothing else stays
                 # open (computed on the device: no host sync per gate).
                 strongest = torch.zeros_like(mask).scatter_(0, (gate.abs() * mask).argmax().reshape(1), True)
@@ -131,6 +188,90 @@ class RankController:
                 gate.mul_(mask)
             module.zero_pruned_()
         return int(closed)  # the one host sync of the step
+
+    # -- the budget (--target-ratio) ------------------------------------------------------------------
+    @torch.no_grad()
+    def observe_gradients(self) -> None:
+        """Fold this step's (g * dL/dg)^2 into each gate entry's importance (after backward, before
+        the optimizer step; under DDP the gradients are already averaged, so every replica agrees)."""
+        for (_, module), scores in zip(self.modules, self.importance):
+            for k, gate in enumerate(module.gates):
+                if gate.grad is None:
+                    continue  # a skipped (non-finite) step
+                score = scores[k] = scores[k].to(gate.device)  # the model may have moved (Trainer, .cuda())
+                score.mul_(IMPORTANCE_DECAY).add_((gate.detach() * gate.grad).float().square(),
+                                                  alpha=1 - IMPORTANCE_DECAY)
+
+    def importance_lists(self) -> list[list[float]]:
+        """The importance scores as JSON-ready lists (for a training checkpoint), gate by gate."""
+        return [score.tolist() for scores in self.importance for score in scores]
+
+    def load_importance(self, lists: list[list[float]] | None) -> None:
+        if lists is None:
+            return
+        flat = iter(lists)
+        self.importance = [[torch.tensor(next(flat)) for _ in m.gates] for _, m in self.modules]
+
+    def schedule_end(self) -> int:
+        """The step at which the budget reaches the target."""
+        switch = self.state.switch_step or 0
+        return switch + max(1, math.ceil(SCHEDULE_SHARE * (self.options.steps - switch)))
+
+    def budget_at(self, step: int) -> int | None:
+        if self.state.stage != LATE or self.options.target_ratio is None:
+            return None
+        switch, end = self.state.switch_step, self.schedule_end()
+        progress = (step - switch) / (end - switch)
+        return scheduled_size(self.state.size_at_switch, self.state.target_size, progress)
+
+    @torch.no_grad()
+    def enforce_budget(self, step: int) -> int:
+        """Close the least important entries per parameter freed until the size is within the
+        step's budget (or every bond is at its floor); returns how many closed."""
+        budget = self.state.budget = self.budget_at(step)
+        if budget is None:
+            return 0
+        excess = self.size() - budget
+        if excess <= 0:
+            return 0
+        plan = [self._bonds(module, scores, floors)
+                for (_, module), scores, floors in zip(self.modules, self.importance, self.floors)]
+        choose_closures(plan, excess, self.options.rank_multiple)
+        closed = 0
+        for (_, module), masks, bonds in zip(self.modules, self.open, plan):
+            for k, indices in bonds.closing.items():
+                index = torch.tensor(indices, device=module.gates[k].device)
+                masks[k][index] = False
+                module.gates[k][index] = 0
+                closed += len(indices)
+            if bonds.closing:
+                module.zero_pruned_()
+        return closed
+
+    def _bonds(self, module: TTModule, scores: list[torch.Tensor], floors: list[int]) -> ModuleBonds:
+        opened, importance = [], []
+        for gate, score in zip(module.gates, scores):
+            indices = (gate.detach() != 0).cpu().nonzero().flatten()
+            values = score.cpu()[indices]
+            weakest_first = values.argsort(stable=True)
+            opened.append(indices[weakest_first].tolist())
+            importance.append(values[weakest_first].tolist())
+        return ModuleBonds(physical_sizes(module), opened, importance, floors)
+
+    def shortfall(self, step: int) -> str | None:
+        """One line saying why, when a target ratio was asked for and the model is not within
+        tolerance of it; None when it is."""
+        target = self.options.target_ratio
+        if target is None or self.model_params() <= self.dense_params / target * (1 + TARGET_TOLERANCE):
+            return None
+        reached = f"target ratio {target:g}x missed: reached {self.ratio():.2f}x"
+        if self.state.stage != LATE:
+            return f"{reached}, the run ended in the early stage (step {step}): lower --early-steps"
+        if step < self.schedule_end():
+            return (f"{reached}, the run stopped at step {step} before its budget schedule's end "
+                    f"(step {self.schedule_end()}): resume it (--resume) or train longer")
+        return (f"{reached}: every bond is at its floor (a quarter of its starting rank); a lower "
+                "--target-ratio or --rank-multiple, or a conversion at a higher --ratio, would reach it")
 
     # -- the staged objective -----------------------------------------------------------------------
     def observe_loss(self, loss: float) -> None:
@@ -157,8 +298,9 @@ class RankController:
         size = self.size()
         self.state.stage, self.state.switch_step, self.state.size_at_switch = LATE, step, size
         if self.options.target_ratio is not None:
-            # The whole model must hold dense_params / target_ratio: the TT part gets what the rest leaves.
-            rest = self.model_params() - size - sum(sum(m.ranks) for _, m in self.modules)
+            # The whole model must hold dense_params / target_ratio: the TT part gets what the rest
+            # leaves (the gates counted at today's ranks, so the target is met, never missed by them).
+            rest = self.model_params() - size
             self.state.target_size = max(1, int(self.dense_params / self.options.target_ratio) - rest)
         else:
             self.state.target_size = max(1, int(size * self.options.target_fraction))
@@ -173,7 +315,8 @@ class RankController:
             return task_loss + beta * surrogate
         loss_value = float(task_loss.detach())
         size = self.size()
+        target_size = self.state.budget if self.state.budget is not None else self.state.target_size
         loss_gap = (loss_value - self.state.target_loss) / max(abs(loss_value), 1e-12)
-        size_gap = (size - self.state.target_size) / max(size, 1)
+        size_gap = (size - target_size) / max(size, 1)
         worse = self.options.late_rank_weight * surrogate if size_gap > loss_gap else task_loss
         return worse + self.options.late_weighted_sum * (task_loss + beta * surrogate)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -20,11 +21,12 @@ from ..errors import ComeraError, ConfigError
 from ..hf.config import compression_of
 from ..models import load_tokenizer, read_config, resolve
 from .data import Blocks, pack
-from .objectives import BlockCollator, resolve_objective, task_for, task_loss
+from .objectives import BlockCollator, pick_objective, resolve_objective, task_for, task_loss
 from .options import TrainOptions
 from .rank_control import RankController
 from .trainer import ComeraTrainer, truncated_copy
 
+logger = logging.getLogger("comera_convert.training")
 CHECKPOINTS = "checkpoints"
 # TrainOptions.lr_scheduler_type -> transformers' name; each starts with the linear warm-up.
 SCHEDULERS = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
@@ -48,6 +50,10 @@ class TrainResult:
     cosine_before: float | None = None
     cosine_after: float | None = None
     report: object = None
+    target_ratio: float | None = None
+    # One line each: what --objective auto picked, and why a --target-ratio was missed (None: reached).
+    objective_note: str | None = None
+    shortfall: str | None = None
 
 
 def _compression(config: dict, name: str) -> dict:
@@ -133,6 +139,9 @@ def set_dropout(model: torch.nn.Module, p: float) -> None:
 def training_arguments(options: TrainOptions, output_dir: Path, **overrides):
     from transformers import TrainingArguments
 
+    if not options.resolved:
+        raise ValueError("training_arguments needs options whose defaults are resolved: "
+                         "TrainOptions.for_objective(objective)")
     cuda = torch.cuda.is_available()
     bf16 = options.bf16 if options.bf16 is not None else cuda
     kwargs = dict(
@@ -169,6 +178,8 @@ def last_checkpoint(directory: Path) -> str | None:
 
 def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, overwrite: bool = False,
           callbacks=(), training_overrides=None) -> TrainResult:
+    from transformers.trainer_callback import PrinterCallback
+
     from ..hf.loading import from_pretrained
     from ..hf.saving import check_output_dir
 
@@ -178,7 +189,10 @@ def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, 
     path = resolve(model_name)
     config = read_config(path)
     quantization = _compression(config, model_name)
-    objective = resolve_objective(options.objective, config)
+    teacher_source = options.teacher or quantization.get("source")
+    objective, objective_note = pick_objective(options.objective, config, teacher_source)
+    encoder = objective == "distill" and resolve_objective("auto", config) == "mlm"
+    options = options.for_objective(objective, encoder)
     dense_params = quantization.get("dense_params")
     model = from_pretrained(path, task=task_for(objective))
     if options.gradient_checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
@@ -190,9 +204,6 @@ def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, 
     teacher = _load_teacher(options, quantization, model) if objective == "distill" else None
     controller = RankController(model, options, dense_params or sum(p.numel() for p in model.parameters()))
     ratio_before = controller.ratio()
-    if options.target_ratio is not None and options.target_ratio < ratio_before:
-        raise ConfigError(f"target ratio {options.target_ratio:g} is lower than the model's current ratio "
-                          f"{ratio_before:.2f}: training only compresses further")
 
     drawn = options.steps * options.batch_size * options.gradient_accumulation_steps
     blocks = pack(options.data, tokenizer, options.seq_len, drawn * READ_AHEAD, options.max_eval_blocks)
@@ -206,7 +217,7 @@ def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, 
     if teacher is not None:
         teacher.to(args.device)
     before = held_out_loss(model.to(args.device), blocks.held_out, objective, collate, teacher, options.batch_size)
-    encoder = objective == "distill" and resolve_objective("auto", config) == "mlm" and bool(blocks.held_out)
+    encoder = encoder and bool(blocks.held_out)
     # The frozen teacher's embeddings, once for the figures before and after training.
     targets = held_out_embeddings(teacher, blocks.held_out, options.batch_size) if encoder else None
     cosine_before = held_out_cosine(model, targets, blocks.held_out, options.batch_size)
@@ -215,18 +226,31 @@ def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, 
     trainer = ComeraTrainer(model=model, args=args, train_dataset=dataset, data_collator=collate,
                             processing_class=tokenizer, comera_options=options, controller=controller,
                             objective=objective, teacher=teacher, callbacks=list(callbacks))
+    # The caller's callbacks show progress (the CLI's rich bar) and the history JSON keeps every
+    # step, so transformers' printer of raw log dicts stays out of the output.
+    trainer.remove_callback(PrinterCallback)
+    if objective_note:
+        logger.info(objective_note)  # once everything is in place, so that it never precedes an error
     trainer.train(resume_from_checkpoint=resume_from)
     controller.prune()
     check_replicas_agree(controller)
     after = held_out_loss(model, blocks.held_out, objective, collate, teacher, options.batch_size)
     cosine_after = held_out_cosine(model, targets, blocks.held_out, options.batch_size)
 
-    result = TrainResult(out=out, objective=objective, steps=trainer.state.global_step, ratio_before=ratio_before,
+    steps = trainer.state.global_step
+    result = TrainResult(out=out, objective=objective, steps=steps, ratio_before=ratio_before,
                          ratio_after=controller.ratio(), held_out_before=before, held_out_after=after,
-                         ranks=controller.ranks(), cosine_before=cosine_before, cosine_after=cosine_after)
+                         ranks=controller.ranks(), cosine_before=cosine_before, cosine_after=cosine_after,
+                         target_ratio=options.target_ratio, objective_note=objective_note,
+                         shortfall=controller.shortfall(steps))
+    if result.shortfall:
+        logger.warning(result.shortfall)
     if trainer.is_world_process_zero():
         record = {"objective": objective, "steps": result.steps,
                   "held_out_loss_before": before, "held_out_loss_after": after}
+        if options.target_ratio is not None:
+            record.update(target_ratio=options.target_ratio, ratio_reached=result.ratio_after,
+                          target_reached=result.shortfall is None)
         if encoder:
             record.update(held_out_cosine_before=cosine_before, held_out_cosine_after=cosine_after)
         result.report = export(model, trainer.history, out, source=path,

@@ -140,6 +140,7 @@ class ComeraTrainer(Trainer):
         save_compressed(export, output_dir, overwrite=True)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
+        self.controller.state.importance = self.controller.importance_lists()
         state = {"kept": kept, "controller": self.controller.state.to_dict(), "history": self.history}
         write_text_atomic(Path(output_dir) / STATE_FILE, json.dumps(state))
 
@@ -149,6 +150,7 @@ class ComeraTrainer(Trainer):
         state = json.loads((Path(resume_from_checkpoint) / STATE_FILE).read_text())
         self.controller.state = RankState(**state["controller"])
         self.controller.sync_open()  # closed entries came back as zeros
+        self.controller.load_importance(self.controller.state.importance)
         self.history = state["history"]
 
 
@@ -177,6 +179,9 @@ class RankCallback(TrainerCallback):
     def __init__(self, trainer: ComeraTrainer):
         self.trainer = trainer
 
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer.controller.observe_gradients()
+
     def on_step_end(self, args, state, control, **kwargs):
         trainer, controller = self.trainer, self.trainer.controller
         controller.prune()
@@ -186,9 +191,14 @@ class RankCallback(TrainerCallback):
             controller.switch(state.global_step)
             logger.info("step %d: late stage, target size %d (now %d)", state.global_step,
                         controller.state.target_size, controller.state.size_at_switch)
-        trainer.history.append({"step": state.global_step, "loss": trainer.last_task_loss,
-                                "size": controller.size(), "ratio": controller.ratio(),
-                                "stage": controller.state.stage})
+        controller.enforce_budget(state.global_step)
+        record = {"step": state.global_step, "loss": trainer.last_task_loss, "size": controller.size(),
+                  "ratio": controller.ratio(), "stage": controller.state.stage}
+        if controller.options.target_ratio is not None:
+            record["target_ratio"] = controller.options.target_ratio
+            if controller.state.budget is not None:
+                record["budget_ratio"] = controller.ratio_at_size(controller.state.budget)
+        trainer.history.append(record)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is not None and "loss" in logs:
