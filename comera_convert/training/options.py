@@ -149,6 +149,12 @@ class TrainOptions:
         """Whether every field that defaults by objective is set (``for_objective`` sets them)."""
         return all(getattr(self, name) is not None for name in (*PRETRAINING_DEFAULTS, "early_steps"))
 
+    def require_resolved(self, user: str) -> None:
+        """A programming error, not a user's: ``user`` reads fields that default by objective."""
+        if not self.resolved:
+            raise ValueError(f"{user} needs options whose defaults are resolved: "
+                             "TrainOptions.for_objective(objective)")
+
     def for_objective(self, objective: str, encoder: bool = False) -> "TrainOptions":
         """These options with every unset (None) field given its default for ``objective`` (mlm, clm
         or distill); ``encoder``: the student is a sentence encoder (document starts help it)."""

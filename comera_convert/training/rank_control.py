@@ -77,19 +77,24 @@ class RankState:
     loss_ema: float | None = None
     ema_history: list[float] = field(default_factory=list)
     budget: int | None = None  # the late stage's scheduled TT size at the last step (--target-ratio)
-    importance: list[list[float]] | None = None  # per gate entry, every gate of every module in order
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
+
+
+@torch.no_grad()
+def _close_masked(module: TTModule, masks: list[torch.Tensor]) -> None:
+    """Zero every gate entry its mask marks closed, and the core slices on both sides of it."""
+    for gate, mask in zip(module.gates, masks):
+        gate.mul_(mask)
+    module.zero_pruned_()
 
 
 class RankController:
     """Gates of every TT module of a model: size, surrogate, pruning and the staged objective."""
 
     def __init__(self, model: nn.Module, options, dense_params: int):
-        if not options.resolved:
-            raise ValueError("RankController needs options whose defaults are resolved: "
-                             "TrainOptions.for_objective(objective)")
+        options.require_resolved("RankController")
         self.modules = gated_modules(model)
         if not self.modules:
             raise ConfigError("the model has no rank gates, so CoMERA's rank adaptation cannot run: "
@@ -127,9 +132,16 @@ class RankController:
     def ratio(self) -> float:
         return self.dense_params / max(self.model_params(), 1)
 
-    def ratio_at_size(self, size: int) -> float:
-        """The whole model's ratio if its TT part held ``size`` entries."""
-        return self.dense_params / max(self.model_params() - self.size() + size, 1)
+    def measurements(self) -> dict:
+        """Size, ratio and stage now, for the history (each counted once); with a target ratio, also
+        the target and the ratio the step's budget allows."""
+        size, params = self.size(), self.model_params()
+        record = {"size": size, "ratio": self.dense_params / max(params, 1), "stage": self.state.stage}
+        if self.options.target_ratio is not None:
+            record["target_ratio"] = self.options.target_ratio
+            if self.state.budget is not None:
+                record["budget_ratio"] = self.dense_params / max(params - size + self.state.budget, 1)
+        return record
 
     def floor_params(self) -> int:
         """The whole model's parameter count with every bond closed down to its floor."""
@@ -176,18 +188,22 @@ class RankController:
         for (_, module), masks in zip(self.modules, self.open):
             for i, gate in enumerate(module.gates):
                 mask = masks[i] = masks[i].to(gate.device)  # the model may have moved (Trainer, .cuda())
-                newly = mask & (gate.abs() < self.options.tau) if by_tau else torch.zeros_like(mask)
-                # Never close a bond's last open entry: spare the strongest when nothing else stays
-                # open (computed on the device: no host sync per gate).
-                strongest = torch.zeros_like(mask).scatter_(0, (gate.abs() * mask).argmax().reshape(1), True)
-                newly &= ~(strongest & ~(mask & ~newly).any())
-                if self.options.rank_multiple > 1:
-                    newly = whole_multiples(newly, mask, gate, self.options.rank_multiple)
-                mask &= ~newly
-                closed = closed + newly.sum()
-                gate.mul_(mask)
-            module.zero_pruned_()
+                if by_tau:
+                    newly = self._below_tau(gate, mask)
+                    mask &= ~newly
+                    closed = closed + newly.sum()
+            _close_masked(module, masks)
         return int(closed)  # the one host sync of the step
+
+    def _below_tau(self, gate: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The open entries of ``gate`` that fall below tau and may close (on the device: no host sync)."""
+        newly = mask & (gate.abs() < self.options.tau)
+        # Never close a bond's last open entry: spare the strongest when nothing else stays open.
+        strongest = torch.zeros_like(mask).scatter_(0, (gate.abs() * mask).argmax().reshape(1), True)
+        newly &= ~(strongest & ~(mask & ~newly).any())
+        if self.options.rank_multiple > 1:
+            newly = whole_multiples(newly, mask, gate, self.options.rank_multiple)
+        return newly
 
     # -- the budget (--target-ratio) ------------------------------------------------------------------
     @torch.no_grad()
@@ -206,9 +222,7 @@ class RankController:
         """The importance scores as JSON-ready lists (for a training checkpoint), gate by gate."""
         return [score.tolist() for scores in self.importance for score in scores]
 
-    def load_importance(self, lists: list[list[float]] | None) -> None:
-        if lists is None:
-            return
+    def load_importance(self, lists: list[list[float]]) -> None:
         flat = iter(lists)
         self.importance = [[torch.tensor(next(flat)) for _ in m.gates] for _, m in self.modules]
 
@@ -240,12 +254,10 @@ class RankController:
         closed = 0
         for (_, module), masks, bonds in zip(self.modules, self.open, plan):
             for k, indices in bonds.closing.items():
-                index = torch.tensor(indices, device=module.gates[k].device)
-                masks[k][index] = False
-                module.gates[k][index] = 0
+                masks[k][torch.tensor(indices, device=masks[k].device)] = False
                 closed += len(indices)
             if bonds.closing:
-                module.zero_pruned_()
+                _close_masked(module, masks)
         return closed
 
     def _bonds(self, module: TTModule, scores: list[torch.Tensor], floors: list[int]) -> ModuleBonds:

@@ -139,9 +139,7 @@ def set_dropout(model: torch.nn.Module, p: float) -> None:
 def training_arguments(options: TrainOptions, output_dir: Path, **overrides):
     from transformers import TrainingArguments
 
-    if not options.resolved:
-        raise ValueError("training_arguments needs options whose defaults are resolved: "
-                         "TrainOptions.for_objective(objective)")
+    options.require_resolved("training_arguments")
     cuda = torch.cuda.is_available()
     bf16 = options.bf16 if options.bf16 is not None else cuda
     kwargs = dict(

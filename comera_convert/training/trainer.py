@@ -140,8 +140,8 @@ class ComeraTrainer(Trainer):
         save_compressed(export, output_dir, overwrite=True)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
-        self.controller.state.importance = self.controller.importance_lists()
-        state = {"kept": kept, "controller": self.controller.state.to_dict(), "history": self.history}
+        state = {"kept": kept, "controller": self.controller.state.to_dict(),
+                 "importance": self.controller.importance_lists(), "history": self.history}
         write_text_atomic(Path(output_dir) / STATE_FILE, json.dumps(state))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
@@ -150,7 +150,7 @@ class ComeraTrainer(Trainer):
         state = json.loads((Path(resume_from_checkpoint) / STATE_FILE).read_text())
         self.controller.state = RankState(**state["controller"])
         self.controller.sync_open()  # closed entries came back as zeros
-        self.controller.load_importance(self.controller.state.importance)
+        self.controller.load_importance(state["importance"])
         self.history = state["history"]
 
 
@@ -192,13 +192,8 @@ class RankCallback(TrainerCallback):
             logger.info("step %d: late stage, target size %d (now %d)", state.global_step,
                         controller.state.target_size, controller.state.size_at_switch)
         controller.enforce_budget(state.global_step)
-        record = {"step": state.global_step, "loss": trainer.last_task_loss, "size": controller.size(),
-                  "ratio": controller.ratio(), "stage": controller.state.stage}
-        if controller.options.target_ratio is not None:
-            record["target_ratio"] = controller.options.target_ratio
-            if controller.state.budget is not None:
-                record["budget_ratio"] = controller.ratio_at_size(controller.state.budget)
-        trainer.history.append(record)
+        trainer.history.append({"step": state.global_step, "loss": trainer.last_task_loss,
+                                **controller.measurements()})
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is not None and "loss" in logs:
