@@ -4,15 +4,15 @@ By default the held-out splits of both built-in corpora are measured (``english`
 several genres, and ``python-stdlib``, code), plus any data given; each domain is reported on its
 own, and the worst one is named, so that a model fitted to one kind of text shows where it fails.
 
-encoders   mean and minimum cosine of mean-pooled sentence embeddings, and nearest-neighbour
-           agreement (is each text's nearest neighbour the same under both models)
+encoders   mean and minimum cosine of sentence embeddings, and nearest-neighbour agreement (is
+           each text's nearest neighbour the same under both models); pooled as the checkpoint's
+           sentence-transformers config says (modules.json, its Pooling folder), else by the mean
 masked LMs masked-token loss and accuracy of both models (the same deterministic masks)
 causal LMs perplexity of both models
 """
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from .errors import ConfigError
 from .training.data import CORPORA, documents, is_held_out
-from .training.objectives import BlockCollator, mean_pool
+from .hf.sentence_config import pool, read_pipeline
+from .training.objectives import BlockCollator
 
 DEFAULT_DOMAINS = CORPORA  # english and python-stdlib: prose and code
 
@@ -57,11 +58,11 @@ def _check_match(compressed, reference, reference_name: str) -> None:
 
 
 @torch.no_grad()
-def sentence_embeddings(model, batch) -> torch.Tensor:
-    """Mean-pooled last hidden states of a batch (input_ids, attention_mask), autograd off."""
+def sentence_embeddings(model, batch, pooling: str = "mean") -> torch.Tensor:
+    """Pooled last hidden states of a batch (input_ids, attention_mask), autograd off."""
     base = getattr(model, "base_model", model)
     hidden = base(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
-    return mean_pool(hidden.float(), batch["attention_mask"])
+    return pool(hidden.float(), batch["attention_mask"], pooling)
 
 
 def _nearest_neighbours(embeddings: torch.Tensor) -> torch.Tensor:
@@ -71,8 +72,8 @@ def _nearest_neighbours(embeddings: torch.Tensor) -> torch.Tensor:
     return similarity.argmax(dim=-1)
 
 
-def encoder_metrics(compressed, reference, batch) -> dict:
-    ours, theirs = sentence_embeddings(compressed, batch), sentence_embeddings(reference, batch)
+def encoder_metrics(compressed, reference, batch, pooling: str = "mean") -> dict:
+    ours, theirs = sentence_embeddings(compressed, batch, pooling), sentence_embeddings(reference, batch, pooling)
     cosine = F.cosine_similarity(ours, theirs, dim=-1)
     agreement = (_nearest_neighbours(ours) == _nearest_neighbours(theirs)).float().mean()
     return {"mean_cosine": float(cosine.mean()), "min_cosine": float(cosine.min()),
@@ -102,11 +103,11 @@ def domain_batch(tokenizer, source: str, texts: int, seq_len: int) -> dict:
     return tokenizer(sample, padding=True, truncation=True, max_length=seq_len, return_tensors="pt")
 
 
-def domain_metrics(compressed, reference, tokenizer, kind: str, batch) -> dict:
+def domain_metrics(compressed, reference, tokenizer, kind: str, batch, pooling: str = "mean") -> dict:
     """The comparison on one domain's tokenized texts (see the module docstring for what is measured)."""
     metrics = {"texts": int(batch["input_ids"].shape[0])}
     if kind != "clm":
-        metrics.update(encoder_metrics(compressed, reference, batch))
+        metrics.update(encoder_metrics(compressed, reference, batch, pooling))
     if kind in ("mlm", "clm"):
         collate = BlockCollator(kind, tokenizer, 0.15)
         blocks = [{"input_ids": ids[: int(mask.sum())], "index": -1 - i}
@@ -173,13 +174,16 @@ def evaluate(compressed_name: str, reference_name: str | None = None, data=None,
     _check_match(compressed, reference, source)
     tokenizer = load_tokenizer(path, "comera eval")
     batches = {name: domain_batch(tokenizer, name, texts, seq_len) for name in sources}  # read once
+    pipeline = read_pipeline(path)  # a sentence-transformers model pools as its own config says
+    pooling = pipeline.pooling if pipeline else "mean"
 
     def per_domain(model) -> dict:
-        return {name: domain_metrics(model, reference, tokenizer, kind, batch)
+        return {name: domain_metrics(model, reference, tokenizer, kind, batch, pooling)
                 for name, batch in batches.items()}
 
     domains = per_domain(compressed)
-    metrics = {"kind": kind, "reference": source, "domains": domains, "worst_domain": worst_domain(domains)}
+    metrics = {"kind": kind, "reference": source, "pooling": pooling, "domains": domains,
+               "worst_domain": worst_domain(domains)}
     if baselines:
         metrics["baselines"] = {label: per_domain(model)
                                 for label, model in baseline_models(reference).items()}
@@ -187,13 +191,14 @@ def evaluate(compressed_name: str, reference_name: str | None = None, data=None,
 
 
 def record_in_report(path: str, metrics: dict) -> None:
-    """Add the metrics to the checkpoint's comera_report.json (atomically)."""
-    from .conversion.report import REPORT_FILE
-    from .hf.saving import write_text_atomic
+    """Add the metrics to the checkpoint's comera_report.json and its model card (atomically)."""
+    from .conversion.report import REPORT_FILE, read_report
+    from .hf.model_card import source_card, write_model_card
+    from .hf.saving import weight_bytes, write_text_atomic
 
-    report_file = Path(path) / REPORT_FILE
-    if not report_file.is_file():
+    report = read_report(path)
+    if report is None:
         return
-    report = json.loads(report_file.read_text())
-    report.setdefault("extra", {})["eval"] = metrics
-    write_text_atomic(report_file, json.dumps(report, indent=2) + "\n")
+    report.extra["eval"] = metrics
+    write_text_atomic(Path(path) / REPORT_FILE, report.to_json() + "\n")
+    write_model_card(Path(path), report, source_card(path), disk_bytes=weight_bytes(path))

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from .conversion.report import REPORT_FILE, ConversionReport
+from .conversion.report import ConversionReport, read_report
 from .errors import ModelLoadError
 from .hf.checkpoint_check import read_header
 from .hf.config import compression_of
@@ -56,12 +55,6 @@ def inspect_checkpoint(name: str) -> CheckpointInfo:
         header = read_header(str(file))
         params += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
     compressed = compression_of(config) is not None
-    report = None
-    report_file = Path(path) / REPORT_FILE
-    if compressed and report_file.is_file():
-        try:
-            report = ConversionReport.from_dict(json.loads(report_file.read_text()))
-        except (ValueError, TypeError) as err:
-            raise ModelLoadError(f"{report_file} is not a valid report: {err}") from None
+    report = read_report(path) if compressed else None
     return CheckpointInfo(name=name, path=path, model_type=config.get("model_type", "?"), params=params,
                           disk_bytes=sum(f.stat().st_size for f in files), compressed=compressed, report=report)

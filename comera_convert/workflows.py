@@ -8,9 +8,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .conversion import ConversionReport, ConvertOptions, convert_with
+from .conversion.report import lineage
 from .conversion.storage import cast_for_storage
-from .hf.saving import check_output_dir, copy_tokenizer, save_compressed
-from .models import load_model
+from .hf.saving import check_output_dir, save_compressed, weight_bytes
+from .hf.sentence_config import check_modules
+from .models import load_model, resolve
 
 
 @dataclass
@@ -23,13 +25,16 @@ class ConversionResult:
 
 
 def convert_checkpoint(model_name: str, options: ConvertOptions, out, *, task=None, overwrite=False,
-                       progress=None, default_calibration: str | None = None) -> ConversionResult:
+                       progress=None, default_calibration: str | None = None,
+                       command: str | None = None) -> ConversionResult:
     """Load ``model_name``, convert it with ``options`` and write a compressed checkpoint to ``out``.
 
     ``default_calibration``: the data to calibrate on when ``options`` names none (`comera convert`
     passes ``english``); a model without a tokenizer then converts by plain TT-SVD, as the
-    result's ``notes`` say. Data named in ``options`` needs the tokenizer."""
+    result's ``notes`` say. Data named in ``options`` needs the tokenizer. ``command``: the command
+    line that asked for it, recorded in the report and the model card."""
     out = check_output_dir(out, overwrite)  # fail before the slow part
+    check_modules(resolve(model_name))  # a sentence-transformers config that could never load
     start = time.perf_counter()
     model, path = load_model(model_name, task=task)
     loaded = time.perf_counter()
@@ -48,8 +53,9 @@ def convert_checkpoint(model_name: str, options: ConvertOptions, out, *, task=No
         cast_for_storage(model, options.dtype)
     report.extra["storage_dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
     report.extra["source_bytes"] = weight_bytes(path)
+    report.extra.update(lineage(None, command))
     converted = time.perf_counter()
-    save_compressed(model, out, report=report, tokenizer_source=path, overwrite=overwrite, replace_dir=True)
+    save_compressed(model, out, report=report, source=path, overwrite=overwrite, replace_dir=True)
     saved = time.perf_counter()
     timings = {"load": loaded - start, "convert": converted - calibrated, "save": saved - converted}
     if calibration is not None:
@@ -70,12 +76,6 @@ def _tokenizer_or_none(path: str):
         return None
 
 
-def weight_bytes(path) -> int:
-    """Bytes of a checkpoint directory's weight files (safetensors, or PyTorch .bin)."""
-    files = list(Path(path).glob("*.safetensors")) or list(Path(path).glob("*.bin"))
-    return sum(f.stat().st_size for f in files)
-
-
 def _calibration(model, path, options: ConvertOptions, tokenizer=None):
     """Calibration statistics on ``options.calibration``, with ``tokenizer`` when it was loaded already."""
     from .conversion.calibration import calibrate
@@ -87,14 +87,18 @@ def _calibration(model, path, options: ConvertOptions, tokenizer=None):
 
 
 def decompress_checkpoint(model_name: str, out, *, overwrite=False) -> Path:
-    """Write an ordinary dense checkpoint of a compressed one (atomically)."""
+    """Write an ordinary dense checkpoint of a compressed one (atomically), with every non-weight
+    file of it (sentence-transformers modules, tokenizer) and the source's model card."""
+    from .hf.carry import carry_files
     from .hf.loading import decompress, from_pretrained
+    from .hf.model_card import source_card, write_dense_card
     from .hf.saving import atomic_directory
-    from .models import resolve
 
     out = check_output_dir(out, overwrite)
-    model = decompress(from_pretrained(model_name))
+    path = resolve(model_name)
+    model = decompress(from_pretrained(path))
     with atomic_directory(out, replace_dir=True) as tmp:
         model.save_pretrained(tmp)
-        copy_tokenizer(resolve(model_name), tmp)
+        carry_files(path, tmp)
+        write_dense_card(tmp, model_name, source_card(path))
     return out

@@ -91,7 +91,8 @@ def test_checkpoint_layout(tmp_path):
     assert set(records) == live
     report = json.loads((path / "comera_report.json").read_text())
     assert report["params_after"] == count_params(model)
-    assert "Sizes" in (path / "README.md").read_text()
+    card = (path / "README.md").read_text()
+    assert "## Converted modules" in card and "| `cls.predictions.decoder` | 1 | tied |" in card
 
 
 def test_pruned_ranks_are_saved_smaller(tmp_path):

@@ -16,6 +16,14 @@ from . import main
 from .console import console
 
 
+def command_line() -> str:
+    """The command as typed, for the report and model card (`comera convert minilm --ratio 4`)."""
+    import shlex
+    import sys
+
+    return shlex.join(["comera", *sys.argv[1:]])
+
+
 def _patterns(value: str | None):
     return [p.strip() for p in value.split(",") if p.strip()] if value else None
 
@@ -87,7 +95,8 @@ def convert(model, ratio, rank, layout, embedding_layout, d, targets, exclude, n
         from ..conversion.calibration import DEFAULT_CALIBRATION
 
         result = convert_checkpoint(model, options, out, task=task, overwrite=overwrite, progress=on_module,
-                                    default_calibration=None if no_calibration else DEFAULT_CALIBRATION)
+                                    default_calibration=None if no_calibration else DEFAULT_CALIBRATION,
+                                    command=command_line())
     _print_conversion(result, calibrated="calibration" in result.report.extra)
 
 

@@ -8,6 +8,7 @@ import click
 
 from ..training.options import LR_SCHEDULERS, OBJECTIVES
 from . import main
+from .commands import command_line
 from .console import console, show_library_logs
 
 
@@ -108,7 +109,7 @@ def train(model, recipe, out, resume, overwrite, **values):
     show_library_logs()  # what --objective auto picked, the stage switch, a missed target
     tokens = options.batch_size * options.gradient_accumulation_steps * options.seq_len
     result = run_training(model, options, out, resume=resume, overwrite=overwrite,
-                          callbacks=[_rich_progress_callback(options.steps, tokens)])
+                          callbacks=[_rich_progress_callback(options.steps, tokens)], command=command_line())
     if result.report is None:
         return  # not the main process of a distributed run
     from .render import modules_table

@@ -7,6 +7,9 @@ import json
 from dataclasses import asdict, dataclass, field
 
 REPORT_FILE = "comera_report.json"
+# What stays true of a checkpoint after more training: how it was made and from what. Measurements
+# of the model as it was (`comera eval`'s figures, timings, an earlier training record) do not.
+LINEAGE_KEYS = ("calibration", "allocation", "rank_multiple", "storage_dtype", "source_bytes", "commands")
 
 
 def fold_layer_numbers(name: str) -> str:
@@ -71,6 +74,31 @@ class ConversionReport:
     def summary(self) -> str:
         return (f"{self.model_class}: {self.params_before:,} -> {self.params_after:,} parameters "
                 f"({self.ratio:.2f}x smaller), {len(self.modules)} modules converted")
+
+
+def read_report(directory) -> ConversionReport | None:
+    """The comera_report.json of a checkpoint directory, None where there is none; a file that is
+    not a report is a one-line error."""
+    from pathlib import Path
+
+    from ..errors import ModelLoadError
+
+    path = Path(directory) / REPORT_FILE
+    if not path.is_file():
+        return None
+    try:
+        return ConversionReport.from_dict(json.loads(path.read_text()))
+    except (ValueError, TypeError) as err:
+        raise ModelLoadError(f"{path} is not a valid report: {err}") from None
+
+
+def lineage(previous: ConversionReport | None, command: str | None = None) -> dict:
+    """The ``extra`` a new checkpoint inherits from the one it was made from, plus ``command``
+    appended to the commands that made it."""
+    extra = {k: v for k, v in (previous.extra if previous else {}).items() if k in LINEAGE_KEYS}
+    if command:
+        extra["commands"] = [*extra.get("commands", []), command]
+    return extra
 
 
 def describe(model, **fields) -> ConversionReport:

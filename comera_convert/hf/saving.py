@@ -7,8 +7,9 @@ directory, then adds what makes the directory a comera checkpoint and moves it i
     stops on it with the instruction to install and import comera_convert), and ``auto_map``
     entries that load the model with ``trust_remote_code=True``;
   * comera_remote.py: the file those entries name (it imports comera_convert);
-  * comera_report.json and a README.md model card with the size table;
-  * the tokenizer files, when a source directory has them.
+  * comera_report.json and a README.md model card (model_card.py) on top of the source's card;
+  * every non-weight file and folder of the source directory (carry.py): tokenizer,
+    sentence-transformers modules, generation config, chat template.
 Converted models get ``save_pretrained`` routed here (``install_save_hook``), so
 ``model.save_pretrained(dir)`` and Trainer checkpoints are compressed checkpoints too.
 """
@@ -27,8 +28,6 @@ from ..errors import ConfigError
 from .config import WEIGHTS_GUARD
 
 REMOTE_MODULE = "comera_remote"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "merges.txt",
-                   "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "spiece.model")
 # Auto classes a checkpoint can be opened with, by the transformers mapping that lists them.
 AUTO_CLASSES = {
     "AutoModel": "MODEL_MAPPING_NAMES",
@@ -75,12 +74,10 @@ def _patch_config(directory: Path) -> None:
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def copy_tokenizer(source: str | os.PathLike | None, directory: Path) -> None:
-    if source is None or not Path(source).is_dir():
-        return
-    for name in TOKENIZER_FILES:
-        if (Path(source) / name).is_file():
-            shutil.copy2(Path(source) / name, directory / name)
+def weight_bytes(path) -> int:
+    """Bytes of a checkpoint directory's weight files (safetensors, or PyTorch .bin)."""
+    files = list(Path(path).glob("*.safetensors")) or list(Path(path).glob("*.bin"))
+    return sum(f.stat().st_size for f in files)
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -134,24 +131,35 @@ def atomic_directory(out: Path, replace_dir: bool):
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def save_compressed(model, out: str | os.PathLike, *, report=None, tokenizer_source=None,
+def save_compressed(model, out: str | os.PathLike, *, report=None, source=None,
                     overwrite: bool = True, replace_dir: bool = False, **save_kwargs) -> Path:
     """Write ``model`` (converted) as a compressed checkpoint directory; returns its path.
 
     ``report`` defaults to a fresh description of the model as it is now (ranks after training).
+    ``source``: the directory the model came from; its non-weight files travel (carry.py) and its
+    model card goes below the new one. Without it (``model.save_pretrained``, Trainer checkpoints)
+    only the card of the directory the model was loaded from is kept, below the new one.
     """
     from ..conversion.report import REPORT_FILE, describe
-    from .model_card import write_model_card
+    from .carry import carry_files
+    from .model_card import source_card, write_model_card
 
     out = check_output_dir(out, overwrite)
     with atomic_directory(out, replace_dir) as tmp:
         type(model).save_pretrained(model, tmp, **save_kwargs)
         _patch_config(tmp)
-        copy_tokenizer(tokenizer_source, tmp)
+        carry_files(source, tmp)
         report = report if report is not None else describe(model)
         (tmp / REPORT_FILE).write_text(report.to_json() + "\n")
-        write_model_card(tmp, report)
+        card = source_card(source if source is not None else _loaded_from(model))
+        write_model_card(tmp, report, card, disk_bytes=weight_bytes(tmp))
     return out
+
+
+def _loaded_from(model) -> Path | None:
+    """The local directory ``from_pretrained`` read this model from, if any."""
+    path = getattr(model, "name_or_path", None)
+    return Path(path) if path and Path(path).is_dir() else None
 
 
 def install_save_hook(model) -> None:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
+from ..hf.sentence_config import pool
 
 
 def _supports(model_type: str, mapping_name: str) -> bool:
@@ -100,11 +101,6 @@ class BlockCollator:
         return batch
 
 
-def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    mask = mask.unsqueeze(-1).to(hidden.dtype)
-    return (hidden * mask).sum(1) / mask.sum(1).clamp_min(1)
-
-
 def _relative_mse(student_hidden, teacher_hidden, weight) -> torch.Tensor:
     """||student - teacher||^2 / ||teacher||^2 over the unmasked tokens."""
     return ((student_hidden - teacher_hidden) ** 2 * weight).sum() / (teacher_hidden ** 2 * weight).sum()
@@ -121,7 +117,7 @@ def distill_loss(student_states, teacher_states, mask) -> torch.Tensor:
     """
     weight = mask.unsqueeze(-1).to(student_states[-1].dtype)
     loss = _relative_mse(student_states[-1], teacher_states[-1], weight)
-    cosine = F.cosine_similarity(mean_pool(student_states[-1], mask), mean_pool(teacher_states[-1], mask), dim=-1)
+    cosine = F.cosine_similarity(pool(student_states[-1], mask), pool(teacher_states[-1], mask), dim=-1)
     loss = loss + (1 - cosine).mean()
     inner = list(zip(student_states[1:-1], teacher_states[1:-1]))
     if inner and len(student_states) == len(teacher_states):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ComeraError, ConfigError
+from ..errors import ComeraError, ConfigError, ModelLoadError
 from ..hf.config import compression_of
 from ..models import load_tokenizer, read_config, resolve
 from .data import Blocks, pack
@@ -175,7 +175,7 @@ def last_checkpoint(directory: Path) -> str | None:
 
 
 def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, overwrite: bool = False,
-          callbacks=(), training_overrides=None) -> TrainResult:
+          callbacks=(), training_overrides=None, command: str | None = None) -> TrainResult:
     from transformers.trainer_callback import PrinterCallback
 
     from ..hf.loading import from_pretrained
@@ -252,7 +252,7 @@ def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, 
         if encoder:
             record.update(held_out_cosine_before=cosine_before, held_out_cosine_after=cosine_after)
         result.report = export(model, trainer.history, out, source=path,
-                               training={**record, "options": options.to_dict()})
+                               training={**record, "options": options.to_dict()}, command=command)
     return result
 
 
@@ -265,15 +265,21 @@ def with_document_starts(blocks: Blocks, share: float) -> list[torch.Tensor]:
     return blocks.train + blocks.starts * copies
 
 
-def export(model, history: list[dict], out: Path, source: str, training: dict):
-    """Write the trained model truncated to its open ranks, its history and its curve; return the report."""
-    from ..conversion.report import describe
+def export(model, history: list[dict], out: Path, source: str, training: dict, command: str | None = None):
+    """Write the trained model truncated to its open ranks, its history and its curve, with every
+    non-weight file of ``source`` and the lineage of its report; return the report."""
+    from ..conversion.report import describe, lineage, read_report
     from ..hf.saving import save_compressed, write_text_atomic
     from .plot import plot_history
 
     truncated, _ = truncated_copy(model, fold=True)
-    report = describe(truncated, extra={"training": training})
-    save_compressed(truncated, out, report=report, tokenizer_source=source, overwrite=True)
+    try:
+        previous = read_report(source)
+    except ModelLoadError as err:  # never lose a finished run over the input's bookkeeping
+        logger.warning("%s; the new report starts afresh", err)
+        previous = None
+    report = describe(truncated, extra={**lineage(previous, command), "training": training})
+    save_compressed(truncated, out, report=report, source=source, overwrite=True)
     write_text_atomic(out / "comera_history.json", json.dumps(history, indent=1))
     plot_history(history, out / "training_curve.png")
     return report
