@@ -21,3 +21,12 @@ __all__ = ["ComeraError", "ConversionReport", "ConvertOptions", "TTEmbedding", "
 from .hf.loading import decompress, from_pretrained  # noqa: E402
 
 __all__ += ["decompress", "from_pretrained"]
+
+
+def __getattr__(name: str):
+    """The peft helpers import peft, so only when asked for."""
+    if name in ("lora_config", "load_lora"):
+        from .hf import lora
+
+        return getattr(lora, name)
+    raise AttributeError(f"module 'comera_convert' has no attribute {name!r}")

@@ -6,12 +6,17 @@ lazily, so `comera --help` is instant. Library errors become one red line and ex
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import click
 
 from .. import __version__
 from ..errors import ComeraError
+
+# bitsandbytes (which peft imports, and transformers' Trainer imports peft where it is installed)
+# warns on import about optional kernels of its own; nothing comera runs uses them.
+logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 
 class ComeraGroup(click.Group):

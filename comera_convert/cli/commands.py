@@ -186,3 +186,22 @@ def evaluate(model, reference, data, texts, seq_len, baselines, json_path):
                                                      "worst_domain": None}))
     if json_path:
         write_text_atomic(Path(json_path), json.dumps(metrics, indent=2) + "\n")
+
+
+@main.command(name="export-onnx")
+@click.argument("model")
+@click.option("--out", type=click.Path(), required=True, help="Output folder (model.onnx, config, tokenizer).")
+@click.option("--opset", type=int, default=18, show_default=True, help="ONNX operator set (18 or later).")
+@click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True,
+              help="Precision of the exported graph.")
+@click.option("--overwrite", is_flag=True, help="Replace a non-empty output folder.")
+def export_onnx(model, out, opset, dtype, overwrite):
+    """Export compressed MODEL to ONNX, still compressed, checked with onnxruntime against PyTorch."""
+    from ..hf.onnx_export import export_onnx as run_export
+
+    start = time.perf_counter()
+    result = run_export(model, out, opset=opset, dtype=dtype, overwrite=overwrite)
+    checked = ("not checked: onnxruntime is not installed" if result.max_difference is None
+               else f"onnxruntime agrees with PyTorch to {result.max_difference:.1e}")
+    console().print(f"[green]wrote[/] {result.out / 'model.onnx'} (opset {result.opset}, output "
+                    f"{result.output_name}; {checked}) in {time.perf_counter() - start:.1f} s")

@@ -21,6 +21,8 @@ FORMAT_VERSION = 2
 # not know comera_convert stops on it with this instruction, instead of loading a dense model
 # with random weights. comera_convert's quantizer points transformers at model.safetensors.
 WEIGHTS_GUARD = "comera-tt-checkpoint--pip-install-comera-convert--then-import-comera_convert.safetensors"
+# What a compressed checkpoint's config.json holds beyond the architecture's own config.
+COMPRESSION_KEYS = ("quantization_config", "transformers_weights", "auto_map")
 
 
 def compression_of(config: dict) -> dict | None:

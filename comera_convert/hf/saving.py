@@ -117,12 +117,19 @@ def _move_into_place(tmp: Path, out: Path, replace_dir: bool) -> None:
     tmp.rmdir()
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_directory(out: Path, replace_dir: bool):
     """Yield a temporary sibling of ``out`` to write into; on success it is moved into place
     (``_move_into_place``), on failure removed: an interrupted write leaves nothing half-written."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp.chmod(0o777 & ~_umask())  # mkdtemp's 0700 would make the finished folder private
     try:
         yield tmp
         _move_into_place(tmp, out, replace_dir)

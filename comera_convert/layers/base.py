@@ -94,8 +94,9 @@ class TTModule(nn.Module):
         """``compute()``, remembered across calls while autograd is off (inference) and the cores,
         gates and buffers are unchanged (no in-place write, no optimizer step): the merged halves
         do not depend on the input, so eval mode builds them once. With autograd on it is always
-        recomputed (the graph must reach the cores)."""
-        if torch.is_grad_enabled():
+        recomputed (the graph must reach the cores), and under torch.compile it is traced into the
+        graph (the stamps below are host-side state a compiled graph cannot guard on cheaply)."""
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
             return compute()
         buffers = [b for b in self._buffers.values() if b is not None]
         tensors = listed(self.cores) + listed(self.gates) + buffers
