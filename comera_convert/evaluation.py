@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from .errors import ConfigError
 from .training.data import CORPORA, documents, is_held_out
 from .hf.sentence_config import pool, read_pipeline
+from .progress import Progress, no_progress
 from .training.objectives import BlockCollator
 
 DEFAULT_DOMAINS = CORPORA  # english and python-stdlib: prose and code
@@ -151,7 +152,7 @@ def baseline_models(reference) -> dict:
 
 
 def evaluate(compressed_name: str, reference_name: str | None = None, data=None, texts: int = 64,
-             seq_len: int = 128, baselines: bool = False) -> dict:
+             seq_len: int = 128, baselines: bool = False, progress: Progress = no_progress) -> dict:
     """Metrics of a compressed checkpoint against its dense reference (the recorded source by
     default), per domain: the built-in corpora's held-out splits and ``data`` (one source or a list).
     ``baselines``: also the same metrics of ``baseline_models`` against the reference."""
@@ -168,6 +169,7 @@ def evaluate(compressed_name: str, reference_name: str | None = None, data=None,
         raise ConfigError("the checkpoint records no source model: pass --reference DENSE")
     kind = _kind(config)
     task = {"clm": "clm", "mlm": "mlm", "encoder": "base"}[kind]
+    progress(f"loading {compressed_name} and {source}")
     compressed = from_pretrained(path, task=task).eval()
     reference, _ = load_model(source, task=task)
     reference.eval()
@@ -177,15 +179,18 @@ def evaluate(compressed_name: str, reference_name: str | None = None, data=None,
     pipeline = read_pipeline(path)  # a sentence-transformers model pools as its own config says
     pooling = pipeline.pooling if pipeline else "mean"
 
-    def per_domain(model) -> dict:
-        return {name: domain_metrics(model, reference, tokenizer, kind, batch, pooling)
-                for name, batch in batches.items()}
+    def per_domain(model, label="") -> dict:
+        measured = {}
+        for index, (name, batch) in enumerate(batches.items()):
+            progress(f"measuring {label}{name}", index, len(batches))
+            measured[name] = domain_metrics(model, reference, tokenizer, kind, batch, pooling)
+        return measured
 
     domains = per_domain(compressed)
     metrics = {"kind": kind, "reference": source, "pooling": pooling, "domains": domains,
                "worst_domain": worst_domain(domains)}
     if baselines:
-        metrics["baselines"] = {label: per_domain(model)
+        metrics["baselines"] = {label: per_domain(model, f"{label}: ")
                                 for label, model in baseline_models(reference).items()}
     return metrics
 

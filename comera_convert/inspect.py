@@ -10,6 +10,7 @@ from .conversion.report import ConversionReport, read_report
 from .errors import ModelLoadError
 from .hf.checkpoint_check import read_header
 from .hf.config import compression_of
+from .hf.model_card import source_card
 from .models import read_config, resolve
 
 
@@ -22,10 +23,11 @@ class CheckpointInfo:
     disk_bytes: int
     compressed: bool
     report: ConversionReport | None
+    licence: str | None = None  # from the model card's metadata (the source's, for a compressed model)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "path": self.path, "model_type": self.model_type, "params": self.params,
-                "disk_bytes": self.disk_bytes, "compressed": self.compressed,
+                "disk_bytes": self.disk_bytes, "compressed": self.compressed, "licence": self.licence,
                 "report": self.report.to_dict() if self.report else None}
 
 
@@ -56,5 +58,7 @@ def inspect_checkpoint(name: str) -> CheckpointInfo:
         params += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
     compressed = compression_of(config) is not None
     report = read_report(path) if compressed else None
+    card = source_card(path) if Path(path).is_dir() else None
     return CheckpointInfo(name=name, path=path, model_type=config.get("model_type", "?"), params=params,
-                          disk_bytes=sum(f.stat().st_size for f in files), compressed=compressed, report=report)
+                          disk_bytes=sum(f.stat().st_size for f in files), compressed=compressed, report=report,
+                          licence=card.licence if card else None)

@@ -13,6 +13,7 @@ from .conversion.storage import cast_for_storage
 from .hf.saving import check_output_dir, save_compressed, weight_bytes
 from .hf.sentence_config import check_modules
 from .models import load_model, resolve
+from .progress import Progress, no_progress
 
 
 @dataclass
@@ -25,17 +26,20 @@ class ConversionResult:
 
 
 def convert_checkpoint(model_name: str, options: ConvertOptions, out, *, task=None, overwrite=False,
-                       progress=None, default_calibration: str | None = None,
+                       progress: Progress | None = None, default_calibration: str | None = None,
                        command: str | None = None) -> ConversionResult:
     """Load ``model_name``, convert it with ``options`` and write a compressed checkpoint to ``out``.
 
     ``default_calibration``: the data to calibrate on when ``options`` names none (`comera convert`
     passes ``english``); a model without a tokenizer then converts by plain TT-SVD, as the
     result's ``notes`` say. Data named in ``options`` needs the tokenizer. ``command``: the command
-    line that asked for it, recorded in the report and the model card."""
+    line that asked for it, recorded in the report and the model card. ``progress`` hears of each
+    stage (loading, calibrating, each module converted, saving)."""
+    progress = progress or no_progress
     out = check_output_dir(out, overwrite)  # fail before the slow part
     check_modules(resolve(model_name))  # a sentence-transformers config that could never load
     start = time.perf_counter()
+    progress(f"loading {model_name}")
     model, path = load_model(model_name, task=task)
     loaded = time.perf_counter()
     notes, tokenizer = [], None
@@ -46,15 +50,19 @@ def convert_checkpoint(model_name: str, options: ConvertOptions, out, *, task=No
         else:
             notes.append(f"{model_name} has no tokenizer files, so it was converted without calibration "
                          f"(plain TT-SVD); copy its tokenizer in for a data-aware conversion")
+    if options.calibration:
+        progress(f"calibrating on {options.calibration}")
     calibration = _calibration(model, path, options, tokenizer) if options.calibration else None
     calibrated = time.perf_counter()
-    report = convert_with(model, options, source=model_name, progress=progress, calibration=calibration)
+    report = convert_with(model, options, source=model_name, calibration=calibration,
+                          progress=lambda name, index, total: progress(f"converting {name}", index, total))
     if options.dtype is not None:
         cast_for_storage(model, options.dtype)
     report.extra["storage_dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
     report.extra["source_bytes"] = weight_bytes(path)
     report.extra.update(lineage(None, command))
     converted = time.perf_counter()
+    progress(f"saving {out}")
     save_compressed(model, out, report=report, source=path, overwrite=overwrite, replace_dir=True)
     saved = time.perf_counter()
     timings = {"load": loaded - start, "convert": converted - calibrated, "save": saved - converted}
@@ -86,9 +94,10 @@ def _calibration(model, path, options: ConvertOptions, tokenizer=None):
                      options.calibration_seq_len, options.targets, options.exclude, options.d)
 
 
-def decompress_checkpoint(model_name: str, out, *, overwrite=False) -> Path:
+def decompress_checkpoint(model_name: str, out, *, overwrite=False, progress: Progress | None = None) -> Path:
     """Write an ordinary dense checkpoint of a compressed one (atomically), with every non-weight
     file of it (sentence-transformers modules, tokenizer) and the source's model card."""
+    progress = progress or no_progress
     from .hf.carry import carry_files
     from .hf.loading import decompress, from_pretrained
     from .hf.model_card import source_card, write_dense_card
@@ -96,7 +105,9 @@ def decompress_checkpoint(model_name: str, out, *, overwrite=False) -> Path:
 
     out = check_output_dir(out, overwrite)
     path = resolve(model_name)
+    progress(f"loading {model_name}")
     model = decompress(from_pretrained(path))
+    progress(f"saving {out}")
     with atomic_directory(out, replace_dir=True) as tmp:
         model.save_pretrained(tmp)
         carry_files(path, tmp)

@@ -27,11 +27,16 @@ def test_version():
     assert comera_convert.__version__ in result.output
 
 
-@pytest.mark.parametrize("command", [[], ["convert"], ["report"], ["decompress"]])
+@pytest.mark.parametrize("command", [None, *sorted(main.commands)])
 def test_help_of_every_command(command):
-    result = run(*command, "--help")
+    args = [command] if command else []
+    result = run(*args, "--help")
     assert result.exit_code == 0
-    assert "Usage:" in result.output
+    group = main.commands[command] if command else main
+    assert f"Usage: main {command + ' ' if command else ''}" in result.output
+    for param in group.params:  # every option is documented in the help
+        if isinstance(param, __import__("click").Option) and not param.hidden:
+            assert param.opts[-1] in result.output, f"{command}: {param.opts[-1]} missing from --help"
 
 
 def test_convert_report_decompress(dense_dir, tmp_path):

@@ -19,8 +19,15 @@ from ..errors import ComeraError
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 
+ARGV_KEY = "comera.argv"  # the command line as given, for the report and model card (ctx.meta)
+
+
 class ComeraGroup(click.Group):
     """A click group that turns comera_convert's errors into one line and a non-zero exit."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta[ARGV_KEY] = list(args)
+        return super().parse_args(ctx, args)
 
     def invoke(self, ctx: click.Context):
         try:
@@ -34,7 +41,8 @@ class ComeraGroup(click.Group):
 
 @click.group(cls=ComeraGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="comera")
-def main() -> None:
+@click.option("-q", "--quiet", is_flag=True, help="Print only errors and --json output: no tables, notes or progress.")
+def main(quiet: bool) -> None:
     """Tensor-train compression of Hugging Face models (CoMERA).
 
     Convert a model with `comera convert`, inspect it with `comera report`,

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from . import main
-from .console import console
+from .console import console, echo_json, progress_display
 
 CASE_NAMES = ("layer", "embedding", "train-step", "convert", "inference")
 COLUMNS = ("method", "shape", "tokens", "ranks", "params_ratio", "flop_ratio", "speedup", "speedup_per_flop_ratio",
@@ -25,14 +25,16 @@ COLUMNS = ("method", "shape", "tokens", "ranks", "params_ratio", "flop_ratio", "
               help="Weights and inputs in this dtype; train-step keeps float32 weights and runs bfloat16 "
                    "under autocast, as comera train --bf16 does.")
 @click.option("--repeats", type=int, default=None, help="Timed runs per measurement (median) [default: 5, quick 2].")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the rows as JSON.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True), is_flag=False, flag_value="-",
+              default=None, help="Write the rows as JSON to this file; alone, print them instead of tables.")
 @click.option("--variant", "variants", multiple=True, metavar="NAME",
               help="train-step: run only this variant and the dense baselines it is compared with "
                    "(repeatable), e.g. --variant 'TT --ratio 4 + CUDA graph'.")
 def bench(cases, quick, device, dtype, repeats, json_path, variants):
     """Measure CASES (default: all): layer, embedding, train-step, convert, inference."""
     import torch
-    from rich.table import Table
+
+    from .render import fitted
 
     from .. import bench as benchmarks
     from ..bench.models import chosen_variants
@@ -50,29 +52,27 @@ def bench(cases, quick, device, dtype, repeats, json_path, variants):
         chosen_variants(device, variants)  # an unknown name fails now, not after the other cases
     repeats = repeats or (2 if quick else 5)
     out = console()
-    with out.status("bench") as status:
+    with progress_display() as update:
         def progress(message: str) -> None:
-            if out.is_terminal:
-                status.update(f"bench: {message}")
-            else:  # a log file: one line per step, so a run cut short still shows how far it got
+            update(f"bench: {message}")
+            if not out.is_terminal:  # a log file: one line per step, so a run cut short shows how far it got
                 out.print(f"bench: {message}", highlight=False)
 
         rows = benchmarks.run(cases, device, getattr(torch, dtype), quick, repeats, progress, variants or None)
+    payload = {"machine": benchmarks.machine(), "torch": torch.__version__, "device": device,
+               "dtype": dtype, "quick": quick, "rows": rows}
+    if json_path == "-":
+        echo_json(payload)
+        return
     autocast = " (train-step: float32 weights under autocast)" if dtype != "float32" and "train-step" in cases else ""
     out.print(f"machine: {benchmarks.machine()}, torch {torch.__version__}, {device}, {dtype}{autocast}"
-              + (" (--quick: smoke test)" if quick else ""))
+              + (" (--quick: smoke test)" if quick else ""), soft_wrap=True)
     for case in dict.fromkeys(r["case"] for r in rows):
         case_rows = [r for r in rows if r["case"] == case]
         columns = [c for c in COLUMNS if any(c in r for r in case_rows)]
-        table = Table(title=case, title_justify="left")
-        for column in columns:
-            table.add_column(column, justify="left" if column in ("method", "shape", "ranks", "error") else "right")
-        for row in case_rows:
-            table.add_row(*[_cell(row.get(c)) for c in columns])
-        out.print(table)
+        justify = [(c, "left" if c in ("method", "shape", "ranks", "error") else "right") for c in columns]
+        out.print(fitted(case, justify, [[_cell(row.get(c)) for c in columns] for row in case_rows], out.width))
     if json_path:
-        payload = {"machine": benchmarks.machine(), "torch": torch.__version__, "device": device,
-                   "dtype": dtype, "quick": quick, "rows": rows}
         write_text_atomic(Path(json_path), json.dumps(payload, indent=1))
         out.print(f"[green]wrote[/] {json_path}")
 

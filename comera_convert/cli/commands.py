@@ -13,15 +13,16 @@ from ..conversion.options import ALLOCATIONS
 from ..errors import ConfigError
 from ..models import TASK_CLASSES
 from . import main
-from .console import console
+from .console import console, echo_json, progress_display
 
 
 def command_line() -> str:
     """The command as typed, for the report and model card (`comera convert minilm --ratio 4`)."""
     import shlex
-    import sys
 
-    return shlex.join(["comera", *sys.argv[1:]])
+    from . import ARGV_KEY
+
+    return shlex.join(["comera", *click.get_current_context().meta.get(ARGV_KEY, [])])
 
 
 def _patterns(value: str | None):
@@ -65,9 +66,10 @@ def _default_out(model: str, ratio, rank) -> str:
               help="Load the model with this head [default: its recorded architecture].")
 @click.option("--out", type=click.Path(), default=None, help="Output directory [default: <model>-tt<ratio>].")
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty output directory.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of tables.")
 def convert(model, ratio, rank, layout, embedding_layout, d, targets, exclude, no_gates, calibration,
             no_calibration, calibration_sequences, allocation, rank_multiple, dtype, recipe, task, out,
-            overwrite):
+            overwrite, as_json):
     """Convert MODEL (directory, hub id or alias such as minilm, bert-base) to a TT checkpoint."""
     from ..recipes import convert_options
     from ..workflows import convert_checkpoint
@@ -83,20 +85,16 @@ def convert(model, ratio, rank, layout, embedding_layout, d, targets, exclude, n
             raise ConfigError("give --calibration DATA or --no-calibration, not both")
         options = dataclasses.replace(options, calibration=None)
     out = out or _default_out(model, options.ratio, options.rank)
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from ..conversion.calibration import DEFAULT_CALIBRATION
 
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console(), transient=True) as bar:
-        task_id = bar.add_task("loading" + ("" if no_calibration else " and calibrating"), total=None)
-
-        def on_module(name, index, total):
-            bar.update(task_id, description=f"converting {name}", completed=index, total=total)
-
-        from ..conversion.calibration import DEFAULT_CALIBRATION
-
-        result = convert_checkpoint(model, options, out, task=task, overwrite=overwrite, progress=on_module,
+    with progress_display() as progress:
+        result = convert_checkpoint(model, options, out, task=task, overwrite=overwrite, progress=progress,
                                     default_calibration=None if no_calibration else DEFAULT_CALIBRATION,
                                     command=command_line())
+    if as_json:
+        echo_json({"out": str(result.out), "report": result.report.to_dict(), "disk_bytes": result.disk_bytes,
+                   "timings": result.timings, "notes": result.notes})
+        return
     _print_conversion(result, calibrated="calibration" in result.report.extra)
 
 
@@ -104,17 +102,18 @@ def _print_conversion(result, calibrated: bool) -> None:
     from .render import modules_table, totals_table
 
     out = console()
-    out.print(modules_table(result.report))
+    out.print(modules_table(result.report, out.width))
     out.print(totals_table(result.report, result.disk_bytes))
     t = result.timings
     calibrate = f"calibrate {t['calibrate']:.1f} s, " if "calibrate" in t else ""
     out.print(f"[green]wrote[/] {result.out}  (load {t['load']:.1f} s, {calibrate}convert {t['convert']:.1f} s, "
-              f"save {t['save']:.1f} s)")
+              f"save {t['save']:.1f} s)", soft_wrap=True)
     for note in result.notes:
-        out.print(f"[yellow]note:[/] {note}")
+        out.print(f"[yellow]note:[/] {note}", soft_wrap=True)
     if not calibrated:  # plain TT-SVD of pretrained weights keeps little of the model's function
         out.print(f"[dim]tip: calibration (the default, english, or --calibration with your own text) fits "
-                  f"each layer to real activations; `comera eval {result.out}` measures the result[/]")
+                  f"each layer to real activations; `comera eval {result.out}` measures the result[/]",
+                  soft_wrap=True)
 
 
 @main.command()
@@ -128,19 +127,19 @@ def report(models, compare, by_module, as_json):
 
     infos = [inspect_checkpoint(m) for m in models]
     if as_json:
-        click.echo(json.dumps([i.to_dict() for i in infos] if len(infos) > 1 else infos[0].to_dict(), indent=2))
+        echo_json([i.to_dict() for i in infos] if len(infos) > 1 else infos[0].to_dict())
         return
     from .render import compare_table, modules_table, totals_table
 
     out = console()
     if compare or len(infos) > 1:
-        out.print(compare_table(infos))
+        out.print(compare_table(infos, out.width))
         return
     info = infos[0]
     if info.report is None:
         out.print(f"{info.name}: {info.model_type}, {info.params:,} parameters, not compressed")
         return
-    out.print(modules_table(info.report, by_block=not by_module))
+    out.print(modules_table(info.report, out.width, by_block=not by_module))
     out.print(totals_table(info.report, info.disk_bytes))
 
 
@@ -153,8 +152,9 @@ def decompress(model, out, overwrite):
     from ..workflows import decompress_checkpoint
 
     start = time.perf_counter()
-    path = decompress_checkpoint(model, out, overwrite=overwrite)
-    console().print(f"[green]wrote[/] dense checkpoint {path} in {time.perf_counter() - start:.1f} s")
+    with progress_display() as progress:
+        path = decompress_checkpoint(model, out, overwrite=overwrite, progress=progress)
+    console().print(f"[green]wrote[/] dense checkpoint {path} in {time.perf_counter() - start:.1f} s", soft_wrap=True)
 
 
 @main.command(name="eval")
@@ -167,7 +167,8 @@ def decompress(model, out, overwrite):
 @click.option("--seq-len", type=int, default=128, show_default=True, help="Tokens per text (truncated).")
 @click.option("--baselines", is_flag=True,
               help="Also measure the dense model stored in bfloat16 and with int8 linears on the same texts.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write JSON here.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True), is_flag=False, flag_value="-",
+              default=None, help="Write the metrics as JSON to this file; alone, print them instead of tables.")
 def evaluate(model, reference, data, texts, seq_len, baselines, json_path):
     """How close compressed MODEL is to its dense source on held-out text, domain by domain."""
     from ..evaluation import evaluate as run_eval
@@ -176,14 +177,19 @@ def evaluate(model, reference, data, texts, seq_len, baselines, json_path):
     from ..models import resolve
     from .render import eval_table
 
-    metrics = run_eval(model, reference, data=list(data), texts=texts, seq_len=seq_len, baselines=baselines)
+    with progress_display() as progress:
+        metrics = run_eval(model, reference, data=list(data), texts=texts, seq_len=seq_len, baselines=baselines,
+                           progress=progress)
     record_in_report(resolve(model), metrics)
+    if json_path == "-":
+        echo_json(metrics)
+        return
     out = console()
-    out.print(eval_table(model, metrics))
+    out.print(eval_table(model, metrics, out.width))
     out.print(f"worst domain: [bold]{metrics['worst_domain']}[/]")
     for label, domains in metrics.get("baselines", {}).items():
         out.print(eval_table(f"baseline: {label}", {"reference": metrics["reference"], "domains": domains,
-                                                     "worst_domain": None}))
+                                                     "worst_domain": None}, out.width))
     if json_path:
         write_text_atomic(Path(json_path), json.dumps(metrics, indent=2) + "\n")
 
@@ -200,8 +206,9 @@ def export_onnx(model, out, opset, dtype, overwrite):
     from ..hf.onnx_export import export_onnx as run_export
 
     start = time.perf_counter()
-    result = run_export(model, out, opset=opset, dtype=dtype, overwrite=overwrite)
+    with progress_display() as progress:
+        result = run_export(model, out, opset=opset, dtype=dtype, overwrite=overwrite, progress=progress)
     checked = ("not checked: onnxruntime is not installed" if result.max_difference is None
                else f"onnxruntime agrees with PyTorch to {result.max_difference:.1e}")
     console().print(f"[green]wrote[/] {result.out / 'model.onnx'} (opset {result.opset}, output "
-                    f"{result.output_name}; {checked}) in {time.perf_counter() - start:.1f} s")
+                    f"{result.output_name}; {checked}) in {time.perf_counter() - start:.1f} s", soft_wrap=True)

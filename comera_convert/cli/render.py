@@ -1,50 +1,85 @@
-"""Rich tables for reports (the CLI's only presentation code)."""
+"""Rich renderings of reports (the CLI's only presentation code).
+
+Every table reads at any width: where its natural width fits the console it is a table; where it
+does not (an 80-column terminal, a pipe, a log file) each row becomes a record, its first cell on
+a line of its own and the others as ``name=value`` pairs wrapped below it, so that no cell is
+ever cut to "…".
+"""
 
 from __future__ import annotations
 
 from collections import defaultdict
+from pathlib import Path
 
+from rich import box
+from rich.console import Console, Group, RenderableType
+from rich.measure import Measurement
+from rich.padding import Padding
 from rich.table import Table
+from rich.text import Text
+
+from ..hf.model_card import facts, human_bytes
+
+WIDE = 100_000  # a console this wide measures a table's natural (unwrapped) width
 
 
-def human_bytes(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    return f"{n:.1f} GB"
+def natural_width(renderable) -> int:
+    probe = Console(width=WIDE)
+    return Measurement.get(probe, probe.options, renderable).maximum
+
+
+def fitted(title: str, columns: list[tuple[str, str]], rows: list[list[str]], width: int,
+           caption: str | None = None) -> RenderableType:
+    """``rows`` under ``columns`` ((name, justify) pairs) as a table when it fits ``width``, else as
+    records."""
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, caption=caption, caption_justify="left")
+    for name, justify in columns:
+        table.add_column(name, justify=justify, no_wrap=True)
+    for row in rows:
+        table.add_row(*row)
+    if natural_width(table) <= width:
+        return table
+    parts: list[RenderableType] = [Text(title, style="table.title")]
+    for row in rows:
+        parts.append(Text(row[0], style="bold", overflow="fold"))
+        pairs = "  ".join(f"{name}={value}" for (name, _), value in zip(columns[1:], row[1:]) if value)
+        parts.append(Padding(Text(pairs, overflow="fold"), (0, 0, 0, 2), expand=False))
+    if caption:
+        parts.append(Text(caption, style="dim"))
+    return Group(*parts, Text(""))
 
 
 def _ranks_text(ranks) -> str:
     return ",".join(map(str, ranks)) if ranks else "shared"
 
 
-def modules_table(report, by_block: bool = True) -> Table:
+def modules_table(report, width: int, by_block: bool = True) -> RenderableType:
     """Per module (or per block type, layer numbers folded) original vs compressed parameters."""
-    table = Table(title=f"{report.model_class}: converted modules", title_justify="left")
-    table.add_column("module", no_wrap=True)
-    for column in ("layout", "shape", "ranks", "n", "dense", "TT", "ratio"):
-        table.add_column(column, justify="left" if column in ("layout", "ranks") else "right")
     groups = defaultdict(list)
     for row in report.modules:
         groups[row.block if by_block else row.name].append(row)
-    for key, rows in groups.items():
-        first = rows[0]
-        dense = sum(r.dense_params for r in rows)
-        tt = sum(r.tt_params for r in rows)
-        ranks = {tuple(r.ranks) for r in rows}
-        layout = "tied" if first.kind == "tied_head" else first.layout
-        table.add_row(key, layout, f"{first.rows}x{first.cols}",
-                      _ranks_text(first.ranks) + ("*" if len(ranks) > 1 else ""), str(len(rows)),
-                      f"{dense:,}", f"{tt:,}", f"{dense / tt:.1f}x" if tt else "-")
-    table.caption = "ranks: internal bonds of the first module of each row; * = they vary across the row"
-    return table
+    rows = []
+    for key, members in groups.items():
+        first = members[0]
+        dense = sum(r.dense_params for r in members)
+        tt = sum(r.tt_params for r in members)
+        tied = first.kind == "tied_head"
+        varies = "*" if len({tuple(r.ranks) for r in members}) > 1 else ""
+        rows.append([key, "tied" if tied else first.layout, f"{first.rows}x{first.cols}",
+                     "embedding's" if tied else _ranks_text(first.ranks) + varies, str(len(members)),
+                     f"{dense:,}", f"{tt:,}", f"{dense / tt:.1f}x" if tt else "-"])
+    columns = [("module", "left"), ("layout", "left"), ("shape", "right"), ("ranks", "left"), ("n", "right"),
+               ("dense", "right"), ("TT", "right"), ("ratio", "right")]
+    return fitted(f"{report.model_class}: converted modules", columns, rows, width,
+                  caption="ranks: internal bonds of the first module of each row; * = they vary across the row")
 
 
 def totals_table(report, disk_bytes: int | None = None) -> Table:
-    table = Table(title="totals (all parameters, dense ones included)", title_justify="left")
-    table.add_column("")
-    table.add_column("value", justify="right")
+    """Two columns, the values folded where they are long: fits any width."""
+    table = Table(title="totals (all parameters, dense ones included)", title_justify="left", box=box.SIMPLE_HEAD,
+                  show_header=False)
+    table.add_column("", no_wrap=True)
+    table.add_column("value", overflow="fold")
     table.add_row("parameters before", f"{report.params_before:,}")
     table.add_row("parameters after", f"{report.params_after:,}")
     table.add_row("ratio", f"{report.ratio:.2f}x" + (f" (target {report.target_ratio:g}x)"
@@ -83,18 +118,49 @@ def _training_text(training: dict) -> str:
     return text
 
 
-def compare_table(infos) -> Table:
+def compare_table(infos, width: int) -> Table:
+    """The models side by side, one column each: sizes, then what the model card states (source,
+    licence, method, fidelity per domain, the commands that made it)."""
     base = infos[0]
-    table = Table(title="models side by side", title_justify="left")
-    for column, justify in (("model", "left"), ("type", "left"), ("compressed", "left"), ("parameters", "right"),
-                            (f"ratio vs {base.name}", "right"), ("on disk", "right"),
-                            ("converted modules", "right")):
-        table.add_column(column, justify=justify)
-    for info in infos:
-        modules = str(len(info.report.modules)) if info.report else "-"
-        table.add_row(info.name, info.model_type, "yes" if info.compressed else "no", f"{info.params:,}",
-                      f"{base.params / max(info.params, 1):.2f}x", human_bytes(info.disk_bytes), modules)
+    table = Table(title="models side by side", title_justify="left", box=box.SIMPLE_HEAD, width=width)
+    table.add_column("", no_wrap=True)
+    for info in infos:  # the folder's own name heads the column; the full path is a row
+        table.add_column(Path(info.name.rstrip("/")).name or info.name, overflow="fold")
+    rows = {"model": [i.name for i in infos], "type": [i.model_type for i in infos],
+            "compressed": ["yes" if i.compressed else "no" for i in infos],
+            "parameters": [f"{i.params:,}" for i in infos],
+            f"ratio vs {Path(base.name.rstrip('/')).name or base.name}": [f"{base.params / max(i.params, 1):.2f}x" for i in infos],
+            "on disk": [human_bytes(i.disk_bytes) for i in infos],
+            "converted modules": [str(len(i.report.modules)) if i.report else "-" for i in infos]}
+    card_facts = [dict(facts(i.report, None, i.licence, quote=str)) if i.report else {"licence (of the source)":
+                  i.licence or "not stated"} for i in infos]
+    for label in ("source", "licence (of the source)", "method", "stored as"):
+        rows[label.replace(" (of the source)", "")] = [f.get(label, "-") for f in card_facts]
+    rows.update(_fidelity_rows(infos))
+    rows["made by"] = [" ; ".join((i.report.extra or {}).get("commands", [])) or "-" if i.report else "-"
+                       for i in infos]
+    for label, values in rows.items():
+        table.add_row(label, *values)
     return table
+
+
+def _fidelity_rows(infos) -> dict[str, list[str]]:
+    """One row per domain `comera eval` measured on any of the models: mean cosine (or perplexity)."""
+    evals = [(i.report.extra or {}).get("eval") if i.report else None for i in infos]
+    domains = list(dict.fromkeys(d for e in evals if e for d in e["domains"]))
+    rows = {}
+    for domain in domains:
+        cells = []
+        for metrics in evals:
+            values = (metrics or {}).get("domains", {}).get(domain)
+            if not values:
+                cells.append("-")
+            elif "mean_cosine" in values:
+                cells.append(f"cosine {values['mean_cosine']:.3f}")
+            else:
+                cells.append(f"ppl {values['compressed_perplexity']:.2f} (dense {values['reference_perplexity']:.2f})")
+        rows[f"fidelity: {domain}"] = cells
+    return rows
 
 
 EVAL_COLUMNS = {  # metric key -> column title, in the order shown
@@ -104,16 +170,13 @@ EVAL_COLUMNS = {  # metric key -> column title, in the order shown
 }
 
 
-def eval_table(name: str, metrics: dict) -> Table:
+def eval_table(name: str, metrics: dict, width: int) -> RenderableType:
     """One row per evaluated domain, the worst one marked."""
     domains = metrics["domains"]
     keys = [k for k in EVAL_COLUMNS if any(k in m for m in domains.values())]
-    table = Table(title=f"{name} vs {metrics['reference']} (held-out texts)", title_justify="left")
-    table.add_column("domain")
-    table.add_column("texts", justify="right")
-    for key in keys:
-        table.add_column(EVAL_COLUMNS[key], justify="right")
+    columns = [("domain", "left"), ("texts", "right")] + [(EVAL_COLUMNS[k], "right") for k in keys]
+    rows = []
     for domain, values in domains.items():
-        label = f"{domain} [red](worst)[/]" if domain == metrics["worst_domain"] and len(domains) > 1 else domain
-        table.add_row(label, str(values["texts"]), *(f"{values[k]:.4f}" if k in values else "" for k in keys))
-    return table
+        worst = " (worst)" if domain == metrics["worst_domain"] and len(domains) > 1 else ""
+        rows.append([domain + worst, str(values["texts"]), *(f"{values[k]:.4f}" if k in values else "" for k in keys)])
+    return fitted(f"{name} vs {metrics['reference']} (held-out texts)", columns, rows, width)

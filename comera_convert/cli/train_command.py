@@ -9,11 +9,12 @@ import click
 from ..training.options import LR_SCHEDULERS, OBJECTIVES
 from . import main
 from .commands import command_line
-from .console import console, show_library_logs
+from .console import console, echo_json, quiet, show_library_logs
 
 
 def _rich_progress_callback(total_steps: int, tokens_per_step: int):
     """A TrainerCallback drawing a rich progress bar with loss, ratio and tokens/s."""
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
     from transformers import TrainerCallback
 
@@ -23,9 +24,10 @@ def _rich_progress_callback(total_steps: int, tokens_per_step: int):
             self.start = None
 
         def on_train_begin(self, args, state, control, **kwargs):
-            if state.is_world_process_zero:
+            stderr = Console(stderr=True)
+            if state.is_world_process_zero and stderr.is_terminal and not quiet():
                 self.bar = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
-                                    TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=console())
+                                    TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=stderr)
                 self.task = self.bar.add_task("train", total=total_steps, completed=state.global_step, info="")
                 self.bar.start()
                 self.start, self.first_step = time.perf_counter(), state.global_step
@@ -100,7 +102,8 @@ OPTION_NAMES = ["objective", "data", "steps", "seq_len", "batch_size", "gradient
 @click.option("--out", type=click.Path(), required=True, help="Output directory (checkpoints go in out/checkpoints).")
 @click.option("--resume", is_flag=True, help="Resume from the last checkpoint in OUT/checkpoints.")
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty output directory.")
-def train(model, recipe, out, resume, overwrite, **values):
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of tables.")
+def train(model, recipe, out, resume, overwrite, as_json, **values):
     """Continue pre-training a compressed MODEL while CoMERA adapts its TT ranks."""
     from ..recipes import train_options
     from ..training import train as run_training
@@ -112,10 +115,13 @@ def train(model, recipe, out, resume, overwrite, **values):
                           callbacks=[_rich_progress_callback(options.steps, tokens)], command=command_line())
     if result.report is None:
         return  # not the main process of a distributed run
+    if as_json:
+        echo_json(result.to_dict())
+        return
     from .render import modules_table
 
     printer = console()
-    printer.print(modules_table(result.report, by_block=False))
+    printer.print(modules_table(result.report, printer.width, by_block=False))
     target = "" if result.target_ratio is None else (
         f" (target {result.target_ratio:g}x, {'missed' if result.shortfall else 'reached'})")
     printer.print(f"objective {result.objective}, {result.steps} steps: held-out loss "

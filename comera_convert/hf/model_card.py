@@ -107,10 +107,12 @@ def method_text(report: ConversionReport) -> str:
     return text + "."
 
 
-def facts(report: ConversionReport, disk_bytes: int | None, licence: str | None) -> list[tuple[str, str]]:
-    """(label, value) pairs shared by the card and `comera report --compare`."""
+def facts(report: ConversionReport, disk_bytes: int | None, licence: str | None,
+          quote=lambda text: f"`{text}`") -> list[tuple[str, str]]:
+    """(label, value) pairs shared by the card and `comera report --compare`; ``quote`` marks names
+    and commands (markdown code in the card)."""
     extra = report.extra or {}
-    rows = [("source", f"`{report.source}`" if report.source else "unknown"),
+    rows = [("source", quote(report.source) if report.source else "unknown"),
             ("licence (of the source)", licence or "not stated in the source's card"),
             ("method", method_text(report)),
             ("parameters", f"{report.params_before:,} -> {report.params_after:,} ({report.ratio:.2f}x smaller, "
@@ -122,7 +124,7 @@ def facts(report: ConversionReport, disk_bytes: int | None, licence: str | None)
     if extra.get("storage_dtype"):
         rows.append(("stored as", extra["storage_dtype"]))
     for command in extra.get("commands") or []:
-        rows.append(("made by", f"`{command}`"))
+        rows.append(("made by", quote(command)))
     return rows
 
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..progress import Progress, no_progress
 
 ONNX_FILE = "model.onnx"
 # torch's exporter implements opset 18 and later; an earlier one goes through a version converter
@@ -73,7 +74,7 @@ def check_request(opset: int, dtype: str) -> torch.dtype:
 
 
 def export_onnx(model_name: str, out, *, opset: int = DEFAULT_OPSET, dtype: str = "float32",
-                overwrite: bool = False) -> OnnxExport:
+                overwrite: bool = False, progress: Progress = no_progress) -> OnnxExport:
     """Export the compressed checkpoint ``model_name`` to the folder ``out`` (atomically)."""
     from ..models import load_tokenizer, resolve
     from .loading import from_pretrained
@@ -82,6 +83,7 @@ def export_onnx(model_name: str, out, *, opset: int = DEFAULT_OPSET, dtype: str 
     torch_dtype = check_request(opset, dtype)
     out = check_output_dir(out, overwrite)
     path = resolve(model_name)
+    progress(f"loading {model_name}")
     model = from_pretrained(path).to(torch_dtype).eval()
     tokenizer = load_tokenizer(path, "ONNX export")
     encoded = tokenizer(SAMPLE_TEXTS, padding=True, return_tensors="pt")
@@ -90,7 +92,9 @@ def export_onnx(model_name: str, out, *, opset: int = DEFAULT_OPSET, dtype: str 
     with torch.no_grad():
         output_name, expected = MainOutput.pick(model(**sample, **wrapped.use_cache))
     with atomic_directory(out, replace_dir=True) as tmp:
+        progress(f"exporting to ONNX (opset {opset})")
         _export(wrapped, sample, tmp / ONNX_FILE, opset, output_name)
+        progress("checking with onnxruntime")
         difference = _check_with_onnxruntime(tmp / ONNX_FILE, sample, expected, torch_dtype)
         _write_config(model.config, tmp)
         tokenizer.save_pretrained(tmp)

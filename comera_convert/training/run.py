@@ -55,6 +55,12 @@ class TrainResult:
     objective_note: str | None = None
     shortfall: str | None = None
 
+    def to_dict(self) -> dict:
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "report"}
+        data["out"] = str(self.out)
+        data["report"] = self.report.to_dict() if self.report is not None else None
+        return data
+
 
 def _compression(config: dict, name: str) -> dict:
     quantization = compression_of(config)
