@@ -46,6 +46,8 @@ def source_dir(tmp_path):
     (path / "onnx" / "model.onnx").write_bytes(b"dense")
     (path / "pytorch_model.bin").write_bytes(b"dense weights in pickle form")
     (path / ".cache").mkdir()
+    (path / "checkpoints" / "checkpoint-10").mkdir(parents=True)  # a training run's output
+    (path / "comera_train_state.json").write_text("{}")
     os.symlink(path / "missing-target", path / "dangling.txt")  # unreadable: skipped with a warning
     return path
 
@@ -56,7 +58,7 @@ def test_conversion_carries_every_non_weight_file(source_dir, tmp_path, caplog):
         convert_checkpoint(str(source_dir), ConvertOptions(ratio=2), out, command="comera convert source --ratio 2")
     names = {p.name for p in out.iterdir()}
     assert {"chat_template.jinja", "notes.dat", "extras", "generation_config.json"} <= names
-    assert not names & {"onnx", "pytorch_model.bin", ".cache", "dangling.txt"}
+    assert not names & {"onnx", "pytorch_model.bin", ".cache", "dangling.txt", "checkpoints", "comera_train_state.json"}
     assert (out / "notes.dat").read_bytes() == (source_dir / "notes.dat").read_bytes()
     assert (out / "extras" / "about.txt").read_text() == "module folder contents"
     assert "did not carry dangling.txt" in caplog.text

@@ -106,6 +106,10 @@ def test_cli_distill_raises_the_held_out_cosine(minilm_tt4, tmp_path):
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "held-out sentence-embedding cosine to the teacher" in done.stdout
+    # The sentence-transformers files travel through training; the card names both commands.
+    assert (trained / "modules.json").is_file() and (trained / "1_Pooling" / "config.json").is_file()
+    card = (trained / "README.md").read_text()
+    assert "`comera convert minilm --ratio 4" in card and f"`comera train {minilm_tt4}" in card
     record = json.loads((trained / "comera_report.json").read_text())["extra"]["training"]
     assert record["held_out_cosine_after"] > record["held_out_cosine_before"]  # on packed held-out blocks
     dense, _ = load_model("minilm")

@@ -17,10 +17,10 @@ onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
 
-def saved(case, tmp_path, tokenizer=True):
+def saved(case, tmp_path, tokenizer=True, layout="tt"):
     model = build(case)
     dense_params = sum(p.numel() for p in model.parameters())
-    comera_convert.convert(model, ratio=3)
+    comera_convert.convert(model, ratio=3, layout=layout, embedding_layout=layout)
     path = tmp_path / case
     model.save_pretrained(path)
     if tokenizer:
@@ -33,9 +33,10 @@ def stored_values(file) -> int:
     return sum(math.prod(t.dims) for t in graph.initializer)
 
 
-@pytest.mark.parametrize("case", ["bert", "gpt2-clm", "llama-clm"])
-def test_exported_graph_agrees_with_pytorch_on_new_shapes_and_stays_compressed(case, tmp_path):
-    model, path, dense_params = saved(case, tmp_path)
+@pytest.mark.parametrize("case, layout", [("bert", "tt"), ("bert-mlm", "ttm"), ("gpt2-clm", "tt"),
+                                          ("llama-clm", "tt")])
+def test_exported_graph_agrees_with_pytorch_on_new_shapes_and_stays_compressed(case, layout, tmp_path):
+    model, path, dense_params = saved(case, tmp_path, layout=layout)
     result = export_onnx(str(path), tmp_path / "onnx")
     assert result.max_difference is not None and result.max_difference < 1e-4
     session = ort.InferenceSession(str(result.out / "model.onnx"), providers=["CPUExecutionProvider"])
@@ -43,7 +44,10 @@ def test_exported_graph_agrees_with_pytorch_on_new_shapes_and_stays_compressed(c
     batch = {k: v[:, :7].repeat(2, 1)[:3] for k, v in batch.items()}
     got = session.run(None, {i.name: batch[i.name].numpy() for i in session.get_inputs()})[0]
     assert torch.allclose(torch.from_numpy(got), outputs(model, batch), atol=1e-4)
-    assert stored_values(result.out / "model.onnx") < 0.6 * dense_params
+    # The graph holds cores or the halves the exporter's optimizer folds them into, never the dense
+    # weights (ttm's folded partial products outgrow its cores at this tiny size, not at MiniLM's).
+    assert stored_values(result.out / "model.onnx") < (0.6 if layout == "tt" else 0.9) * dense_params
+    assert (layout == "ttm") == any("ttm" in note for note in result.notes)
     assert (result.out / "tokenizer.json").is_file()
     assert "quantization_config" not in (result.out / "config.json").read_text()
 

@@ -212,3 +212,5 @@ def export_onnx(model, out, opset, dtype, overwrite):
                else f"onnxruntime agrees with PyTorch to {result.max_difference:.1e}")
     console().print(f"[green]wrote[/] {result.out / 'model.onnx'} (opset {result.opset}, output "
                     f"{result.output_name}; {checked}) in {time.perf_counter() - start:.1f} s", soft_wrap=True)
+    for note in result.notes:
+        console().print(f"[yellow]note:[/] {note}", soft_wrap=True)

@@ -27,9 +27,9 @@ WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.ckpt", "*.h5", 
 # Folders holding the dense model in another runtime's format.
 DENSE_EXPORT_FOLDERS = ("onnx", "openvino", "coreml", "tflite")
 # Written afresh for every checkpoint, or training's working files.
-OWN_FILES = ("comera_report.json", "comera_remote.py", "comera_history.json", "comera_trainer_state.json",
-             "training_curve.png", "training_args.bin", "trainer_state.json")
-OWN_FOLDERS = ("checkpoint-*", "runs")
+OWN_FILES = ("comera_*", "training_curve.png", "training_args.bin", "trainer_state.json")
+# Training outputs: `comera train`'s checkpoints/, Trainer's checkpoint-N/, TensorBoard's runs/.
+OWN_FOLDERS = ("checkpoints", "checkpoint-*", "runs")
 MODEL_CARD = "README.md"  # merged into the new card (model_card.py), never copied over it
 
 
@@ -38,7 +38,7 @@ def carried(source: Path) -> list[Path]:
     items = []
     for item in sorted(source.iterdir()):
         name = item.name
-        if name.startswith(".") or name == MODEL_CARD or name in OWN_FILES:
+        if name.startswith(".") or name == MODEL_CARD or any(fnmatch.fnmatch(name, p) for p in OWN_FILES):
             continue
         if item.is_dir():
             if name in DENSE_EXPORT_FOLDERS or any(fnmatch.fnmatch(name, p) for p in OWN_FOLDERS):

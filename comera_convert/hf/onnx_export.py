@@ -13,7 +13,7 @@ import contextlib
 import io
 import logging
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -40,6 +40,7 @@ class OnnxExport:
     output_name: str
     opset: int
     max_difference: float | None  # None: onnxruntime was not there to check
+    notes: list[str] = field(default_factory=list)
 
 
 class MainOutput(nn.Module):
@@ -98,7 +99,19 @@ def export_onnx(model_name: str, out, *, opset: int = DEFAULT_OPSET, dtype: str 
         difference = _check_with_onnxruntime(tmp / ONNX_FILE, sample, expected, torch_dtype)
         _write_config(model.config, tmp)
         tokenizer.save_pretrained(tmp)
-    return OnnxExport(out=out, output_name=output_name, opset=opset, max_difference=difference)
+    return OnnxExport(out=out, output_name=output_name, opset=opset, max_difference=difference,
+                      notes=_layout_notes(model))
+
+
+def _layout_notes(model: nn.Module) -> list[str]:
+    """ttm layers export correctly but run slowly in onnxruntime (measured in BENCHMARKS.md)."""
+    from ..layers import TTModule
+
+    ttm = [name for name, module in model.named_modules() if isinstance(module, TTModule) and module.layout == "ttm"]
+    if not ttm:
+        return []
+    return [f"{len(ttm)} ttm layers (such as {ttm[0]}): onnxruntime runs ttm contractions slowly (MiniLM: "
+            f"13x the time of the same model in tt); convert with --layout tt --embedding-layout tt to serve"]
 
 
 def _write_config(config, directory: Path) -> None:
