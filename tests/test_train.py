@@ -2,6 +2,7 @@ import json
 import math
 import os
 import re
+import json
 import subprocess
 import sys
 
@@ -454,10 +455,12 @@ def test_two_process_ddp_over_gloo(tmp_path, tokenizer, corpus):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
                "-m", "comera_convert", "train", str(path), "--objective", "mlm", "--data", str(corpus),
                "--steps", "6", "--seq-len", "32", "--batch-size", "2", "--lr-gates", "0.2",
-               "--early-steps", "3", "--save-steps", "6", "--target-ratio", "4", "--out", str(tmp_path / "ddp")]
+               "--early-steps", "3", "--save-steps", "6", "--target-ratio", "4", "--out", str(tmp_path / "ddp"), "--json"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stdout[-1500:] + done.stderr[-3000:]
+    result = json.loads(done.stdout)  # --json: the main process prints the result, the other nothing
+    assert result["target_ratio"] == 4 and result["shortfall"] is None and result["steps"] == 6
     trained = comera_convert.from_pretrained(tmp_path / "ddp")
     # Both workers closed the same entries by the same importance (the end check compares them).
     assert 4.0 <= _dense_params(path) / count_params(trained) <= 4.0 * 1.02
