@@ -61,6 +61,7 @@ def test_the_tied_head_trains_through_slabs_and_infers_from_the_cached_table():
     training = head(x)
     assert "TiedLogits" in type(training.grad_fn.next_functions[0][0]).__name__
     assert "table" not in embedding.__dict__.get("_inference_cache", {})
+    embedding.eval()  # in a model, model.eval() sets it
     with torch.no_grad():
         inference = head(x)
     assert "table" in embedding.__dict__["_inference_cache"]

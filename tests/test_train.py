@@ -613,3 +613,14 @@ def test_unset_options_take_their_objectives_defaults_and_set_ones_stay():
     compressing = TrainOptions(steps=300, target_ratio=4).for_objective("distill", encoder=True)
     assert (compressing.beta, compressing.early_steps, compressing.document_starts) == (0.01, 200, 0.5)
     assert not TrainOptions().resolved and mlm.resolved
+
+
+def test_the_curve_leaves_the_users_matplotlib_backend_alone(tmp_path):
+    script = ("import matplotlib; matplotlib.use('pdf'); from pathlib import Path; "
+              "from comera_convert.training.plot import plot_history; "
+              "rows = [{'step': s, 'loss': 1.0 / s, 'ratio': 2.0 + s / 10} for s in range(1, 6)]; "
+              "plot_history(rows, Path(r'%s')); print(matplotlib.get_backend())" % (tmp_path / "curve.png"))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-1000:]
+    assert done.stdout.strip() == "pdf"
+    assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"

@@ -163,6 +163,9 @@ def test_inference_reuses_merged_halves_until_the_cores_change():
     tt = TTLinear(64, 48, rank=4, d=2)
     x = torch.randn(3, 64)
     with torch.no_grad():
+        tt(x)
+        assert "_inference_cache" not in tt.__dict__  # train mode never caches
+        tt.eval()
         first = tt(x)
         assert len(tt._inference_cache) == 1
         assert torch.equal(tt(x), first)
@@ -174,18 +177,33 @@ def test_inference_reuses_merged_halves_until_the_cores_change():
 
 @pytest.mark.parametrize("gates", [True, False])
 def test_inference_after_a_fused_optimizer_step_sees_the_new_cores(gates):
-    tt = TTLinear(64, 48, rank=4, d=2, gates=gates)
+    tt = TTLinear(64, 48, rank=4, d=2, gates=gates).eval()
     x = torch.randn(3, 64)
     with torch.no_grad():
         before = tt(x)  # caches the merged halves
+    tt.train()  # drops the cache: training runs in train mode
+    assert "_inference_cache" not in tt.__dict__
     tt(x).pow(2).sum().backward()
     versions = [p._version for p in tt.parameters()]
     torch.optim.AdamW(tt.parameters(), lr=0.1, fused=True).step()
     assert [p._version for p in tt.parameters()] == versions  # the kernel bumps no version counter
+    tt.eval()
     with torch.no_grad():
         after = tt(x)
     assert not torch.equal(after, before)
     assert rel_err(after, x @ tt.dense_weight().t() + tt.bias) < 1e-5
+
+
+def test_a_fused_step_taken_in_eval_mode_is_seen_after_clear_cache():
+    tt = TTLinear(64, 48, rank=4, d=2).eval()
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        tt(x)
+    tt(x).pow(2).sum().backward()
+    torch.optim.AdamW(tt.parameters(), lr=0.1, fused=True).step()
+    tt.clear_cache()
+    with torch.no_grad():
+        assert rel_err(tt(x), x @ tt.dense_weight().t() + tt.bias) < 1e-5
 
 
 def test_custom_backward_matches_autograd_through_plain_ops():
@@ -218,3 +236,4 @@ def test_bf16_autocast_backward_outside_the_autocast_block(layout):
     low = [x.grad] + [p.grad for p in tt.parameters()]
     assert all(g.dtype == torch.float32 for g in low)
     assert all(rel_err(a, b) < 5e-2 for a, b in zip(low, reference))
+

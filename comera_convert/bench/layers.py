@@ -106,8 +106,9 @@ def embedding_case(device: str, dtype: torch.dtype, quick: bool, repeats: int) -
     batch = 4 if quick else 32
     ids = torch.randint(0, vocab, (batch, 128), device=device)
     dense = nn.Embedding(vocab, dim, device=device, dtype=dtype)
-    tt = TTEmbedding.from_embedding(dense, rank=COMERA_RANK)  # ttm, as CoMERA
-    tt_layout = TTEmbedding.from_embedding(dense, rank=COMERA_RANK, layout="tt")  # the converter's default
+    # Inference lookups (eval mode, autograd off), as the table in BENCHMARKS.md measures them.
+    tt = TTEmbedding.from_embedding(dense, rank=COMERA_RANK).eval()  # ttm, as CoMERA
+    tt_layout = TTEmbedding.from_embedding(dense, rank=COMERA_RANK, layout="tt").eval()  # the converter's default
 
     def naive():  # one chain contraction per token, no sharing: the baseline TT lookup
         cores = tt.gated_cores()

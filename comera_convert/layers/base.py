@@ -11,26 +11,11 @@ import math
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..errors import ShapeError, expected
 from ..tt import apply_gates, cores_to_matrix
 from ..tt.counting import num_params
 from ..tt.spec import TTSpec
-
-# Fused optimizer kernels (torch's fused AdamW, which `comera train` uses) write the parameters
-# without bumping their version counters, so the inference cache also keys on how many optimizer
-# steps the process has taken.
-_optimizer_steps = 0
-
-
-def _count_optimizer_step(optimizer, args, kwargs) -> None:
-    global _optimizer_steps
-    _optimizer_steps += 1
-
-
-register_optimizer_step_post_hook(_count_optimizer_step)
-
 
 def check_size(name: str, value) -> None:
     """A layer dimension must be a positive int (not a bool, not a float)."""
@@ -91,20 +76,32 @@ class TTModule(nn.Module):
         return self.gates is not None
 
     def cached(self, name: str, compute):
-        """``compute()``, remembered across calls while autograd is off (inference) and the cores,
-        gates and buffers are unchanged (no in-place write, no optimizer step): the merged halves
-        do not depend on the input, so eval mode builds them once. With autograd on it is always
-        recomputed (the graph must reach the cores), and under torch.compile it is traced into the
-        graph (the stamps below are host-side state a compiled graph cannot guard on cheaply)."""
-        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        """``compute()``, remembered in inference: eval mode with autograd off. The merged halves do
+        not depend on the input, so inference builds them once per state of the weights; each entry
+        is stamped with the storage and version counter of the cores, gates and buffers, so an
+        in-place write (load_state_dict, pruning, closing gates) rebuilds it. Leaving eval mode
+        (``train()``) drops the cache: training steps happen in train mode, and fused optimizer
+        kernels write parameters without bumping their version counters. (A fused optimizer step
+        taken in eval mode needs ``clear_cache()`` before the next inference.) With autograd on it is
+        always recomputed (the graph must reach the cores), and under torch.compile it is traced
+        into the graph (the stamps are host-side state a compiled graph cannot guard on cheaply)."""
+        if self.training or torch.is_grad_enabled() or torch.compiler.is_compiling():
             return compute()
         buffers = [b for b in self._buffers.values() if b is not None]
         tensors = listed(self.cores) + listed(self.gates) + buffers
-        stamp = (_optimizer_steps,) + tuple((t.data_ptr(), t._version) for t in tensors)
+        stamp = tuple((t.data_ptr(), t._version) for t in tensors)
         cache = self.__dict__.setdefault("_inference_cache", {})
         if name not in cache or cache[name][0] != stamp:
             cache[name] = (stamp, compute())
         return cache[name][1]
+
+    def clear_cache(self) -> None:
+        """Forget what inference built (``cached``)."""
+        self.__dict__.pop("_inference_cache", None)
+
+    def train(self, mode: bool = True):
+        self.clear_cache()
+        return super().train(mode)
 
     def gated_cores(self) -> list[torch.Tensor]:
         """The cores with the gates folded in: what the forward pass contracts."""

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..errors import expected
-from ..tt.contract import embedding_halves, through_bond
+from ..tt.contract import through_bond
 from ..tt.tied_logits import tied_logits
 from .tt_embedding import TTEmbedding
 
@@ -32,8 +32,7 @@ class TiedTTHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         spec = self.embedding.spec
         if spec.layout == "tt":  # x R^T L^T + b through the cached (in eval) halves of the embedding
-            left, right = self.embedding.cached("halves-0", lambda: embedding_halves(
-                self.embedding.gated_cores(), spec, 0))
+            left, right = self.embedding.halves(0)
             # One logit per token id: the left half's rows in id order, without the padding rows.
             return through_bond(x, right.t(), self.embedding.in_token_order(left).t(), self.bias)
         # ttm: the logits are tokens x vocab anyway, and contracting core by core would hold a
@@ -42,7 +41,7 @@ class TiedTTHead(nn.Module):
         # builds the table once and keeps it.
         if torch.is_grad_enabled():
             return tied_logits(x, self.embedding.gated_cores(), spec, self.bias, self.embedding.row_of_token)
-        table = self.embedding.cached("table", self.embedding.dense_matrix)
+        table = self.embedding.table()
         return torch.nn.functional.linear(x, table, self.bias)
 
     def dense_weight(self) -> torch.Tensor:

@@ -90,6 +90,15 @@ class TTEmbedding(TTModule):
             return rows[: self.num_embeddings]
         return rows.index_select(0, self.row_of_token)
 
+    def halves(self, split: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The table's two halves split after ``split`` row modes (``embedding_halves``), built once
+        per weight state in inference (``cached``); a tied head reads them too."""
+        return self.cached(f"halves-{split}", lambda: embedding_halves(self.gated_cores(), self.spec, split))
+
+    def table(self) -> torch.Tensor:
+        """The whole (rows x dim) table, built once per weight state in inference."""
+        return self.cached("table", self.dense_matrix)
+
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
         if indices.dtype not in (torch.int64, torch.int32):
             raise TypeError(expected("integer token indices", indices.dtype))
@@ -102,7 +111,7 @@ class TTEmbedding(TTModule):
         split = 0
         if spec.layout == "ttm":
             split = ttm_split(spec, indices.numel(), cost=embedding_lookup_flops)
-        halves = self.cached(f"halves-{split}", lambda: embedding_halves(self.gated_cores(), spec, split))
+        halves = self.halves(split)
         tt_rows = indices if self.row_of_token is None else self.row_of_token[indices]
         rows = rows_from_halves(tt_rows.long(), halves, spec, deduplicate=not sync_free)
         if self.padding_idx is not None and self.training:

@@ -9,13 +9,12 @@ def plot_history(history: list[dict], path: Path) -> Path | None:
     rows = [h for h in history if h.get("loss") is not None]
     if not rows:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display needed
-    import matplotlib.pyplot as plt
+    # A Figure of its own (no pyplot): the user's matplotlib backend and open figures stay as they were.
+    from matplotlib.figure import Figure
 
     steps = [h["step"] for h in rows]
-    fig, loss_axis = plt.subplots(figsize=(7, 4), dpi=100)
+    fig = Figure(figsize=(7, 4), dpi=100)
+    loss_axis = fig.subplots()
     loss_axis.plot(steps, [h["loss"] for h in rows], color="tab:blue", label="task loss")
     loss_axis.set_xlabel("step")
     loss_axis.set_ylabel("task loss", color="tab:blue")
@@ -37,6 +36,5 @@ def plot_history(history: list[dict], path: Path) -> Path | None:
     fig.tight_layout()
     tmp = path.with_name(f".{path.name}.tmp.png")
     fig.savefig(tmp)
-    plt.close(fig)
     tmp.replace(path)
     return path
