@@ -97,10 +97,18 @@ def test_tiny_layers_stay_dense_with_a_reason():
     assert "classifier" in report.skipped
 
 
-def test_device_and_dtype_follow_the_model():
-    model = build("bert").to(torch.float64)
-    comera_convert.convert(model, rank=4)
-    assert {p.dtype for p in model.parameters()} == {torch.float64}
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_device_and_dtype_follow_the_model(dtype):
+    model = build("bert").to(dtype)
+    device = next(model.parameters()).device
+    dense = build("bert").to(dtype)
+    comera_convert.convert(model, rank=10 ** 6)  # full rank: the function is kept, in the model's dtype
+    assert {p.dtype for p in model.parameters()} == {dtype} and {p.device for p in model.parameters()} == {device}
+    query = model.encoder.layer[0].attention.self.query
+    assert isinstance(query, TTModule) and all(core.dtype == dtype and core.device == device for core in query.cores)
+    got, want = outputs(model), outputs(dense)
+    assert got.dtype == dtype
+    assert rel_err(got, want) < (1e-8 if dtype == torch.float64 else 5e-2)
 
 
 @pytest.mark.parametrize("case", ["bert-mlm", "gpt2-clm"])

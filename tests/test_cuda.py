@@ -149,7 +149,14 @@ def test_a_tt_training_step_makes_no_host_syncs():
         step()
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert controller.prune() >= 0  # and pruning runs on the moved model (its one sync is the count)
+    # Pruning then runs on the moved model (its one host sync is the count): one entry pushed below
+    # tau closes, and only that one.
+    _, module = controller.modules[0]
+    open_before = module.ranks
+    with torch.no_grad():
+        module.gates[0][0] = 0.0
+    assert controller.prune() == 1
+    assert module.ranks[0] == open_before[0] - 1 and module.ranks[1:] == open_before[1:]
 
 
 def test_calibrated_conversion_on_cuda_matches_cpu():

@@ -383,8 +383,8 @@ def test_non_finite_losses_skip_then_stop_keeping_the_last_checkpoint(tmp_path, 
         loss = real(objective, model, inputs, teacher)
         return loss * float("nan") if model.training and poisoned.calls_after_save() else loss
 
-    state = {"step": 0}
-    poisoned.calls_after_save = lambda: state.setdefault("n", 0) >= 0 and _count(state) > 6
+    state = {"n": 0}
+    poisoned.calls_after_save = lambda: _count(state) > 6  # training forwards 7 on: NaN
     monkeypatch.setattr(trainer_module, "task_loss", poisoned)
     options = TrainOptions(objective="mlm", data=str(corpus), max_nan_steps=2, **FAST)
     with pytest.raises(ComeraError, match="not finite for 3 steps in a row.*last good checkpoint is kept"):
