@@ -4,29 +4,42 @@
     report = comera_convert.convert(model, ratio=4)          # in place
     model.save_pretrained("model-tt4")                       # a compressed checkpoint
     AutoModel.from_pretrained("model-tt4")                   # loads it (after the import)
+
+Importing the package registers the "comera" loading method with transformers; that is its one
+side effect. Everything else loads when first used, so the CLI's --help stays quick.
 """
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-from .conversion import ConversionReport, ConvertOptions, convert  # noqa: E402
-from .errors import ComeraError  # noqa: E402
 from .hf.quantizer import register as _register_with_transformers  # noqa: E402
-from .layers import TiedTTHead, TTEmbedding, TTLinear, TTModule  # noqa: E402
 
 _register_with_transformers()
 
-__all__ = ["ComeraError", "ConversionReport", "ConvertOptions", "TTEmbedding", "TTLinear", "TTModule",
-           "TiedTTHead", "__version__", "convert"]
-
-from .hf.loading import decompress, from_pretrained  # noqa: E402
-
-__all__ += ["decompress", "from_pretrained"]
+# Public name -> the module that defines it (imported on first use).
+EXPORTS = {
+    "convert": "api", "convert_checkpoint": "api", "calibrate": "api", "decompress": "api",
+    "decompress_model": "api", "from_pretrained": "api", "ConversionResult": "api",
+    "train": "training", "TrainOptions": "training", "evaluate": "evaluation",
+    "ConvertOptions": "conversion", "ConversionReport": "conversion", "Calibration": "conversion",
+    "ComeraError": "errors",
+    "TTLinear": "layers", "TTEmbedding": "layers", "TTModule": "layers", "TiedTTHead": "layers",
+    "lora_config": "hf.lora", "load_lora": "hf.lora",  # need peft
+}
+__all__ = ["__version__", *EXPORTS]
 
 
 def __getattr__(name: str):
-    """The peft helpers import peft, so only when asked for."""
-    if name in ("lora_config", "load_lora"):
-        from .hf import lora
+    module = EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'comera_convert' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
 
-        return getattr(lora, name)
-    raise AttributeError(f"module 'comera_convert' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(EXPORTS))

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from .errors import ConfigError
-from .training.data import CORPORA, documents, is_held_out
-from .hf.sentence_config import pool, read_pipeline
+from .text import CORPORA, documents, is_held_out
+from .hf.sentence_config import read_pipeline, sentence_embeddings
 from .progress import Progress, no_progress
 from .training.objectives import BlockCollator
 
@@ -56,14 +56,6 @@ def _check_match(compressed, reference, reference_name: str) -> None:
         if getattr(mine, field, None) != getattr(theirs, field, None):
             raise ConfigError(f"reference {reference_name} does not match the compressed model: {field} "
                               f"{getattr(theirs, field, None)!r} vs {getattr(mine, field, None)!r}")
-
-
-@torch.no_grad()
-def sentence_embeddings(model, batch, pooling: str = "mean") -> torch.Tensor:
-    """Pooled last hidden states of a batch (input_ids, attention_mask), autograd off."""
-    base = getattr(model, "base_model", model)
-    hidden = base(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
-    return pool(hidden.float(), batch["attention_mask"], pooling)
 
 
 def _nearest_neighbours(embeddings: torch.Tensor) -> torch.Tensor:

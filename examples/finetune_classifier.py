@@ -18,8 +18,8 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trai
 
 import comera_convert
 from comera_convert.conversion import ConvertOptions
-from comera_convert.training.data import documents, is_held_out
-from comera_convert.workflows import convert_checkpoint
+from comera_convert.text import documents, is_held_out
+from comera_convert.api import convert_checkpoint
 
 TEXTS_PER_CLASS = 256
 LABELS = {"english": 0, "python-stdlib": 1}
@@ -46,7 +46,7 @@ def accuracy(model, data) -> float:
 
 def main(full: bool) -> None:
     with tempfile.TemporaryDirectory() as work:
-        convert_checkpoint("minilm", ConvertOptions(ratio=4), f"{work}/minilm-tt4")  # plain TT-SVD, seconds
+        convert_checkpoint("minilm", f"{work}/minilm-tt4", ConvertOptions(ratio=4))  # plain TT-SVD, seconds
         tokenizer = AutoTokenizer.from_pretrained(f"{work}/minilm-tt4")
         model = AutoModelForSequenceClassification.from_pretrained(f"{work}/minilm-tt4", num_labels=2)
         if not full:

@@ -7,15 +7,15 @@ import pytest
 import torch
 
 import comera_convert
-from comera_convert.conversion import ConvertOptions, convert_with, count_params
+from comera_convert.conversion import ConvertOptions, convert_modules, count_params
 from comera_convert.conversion.calibration import Calibration, collect, weighted_decomposer
-from comera_convert.conversion.sensitivity import error_curve
+from comera_convert.conversion.experimental.sensitivity import error_curve
 from comera_convert.conversion.targets import find_candidates
 from comera_convert.errors import ConfigError, ShapeError
 from comera_convert.tt import TTSpec, cores_to_matrix
 from comera_convert.tt.decompose import matrix_to_cores
 from comera_convert.tt.als import _CoreMap, als_refine
-from comera_convert.tt.decompose import _padded
+from comera_convert.tt.decompose import padded
 from comera_convert.tt.weighted import (input_factor, mode_weights, scaled_ttm_cores, whitened_tt_cores,
                                         whitened_ttm_cores)
 
@@ -170,8 +170,7 @@ def test_calibrated_conversion_is_closer_on_text_like_the_calibration(layout):
     errors = {}
     for name, calibration in (("plain", None), ("calibrated", stats)):
         model = build("bert")
-        options = ConvertOptions(ratio=2, layout=layout, calibration="test" if calibration else None)
-        report = convert_with(model, options, calibration=calibration)
+        report = convert_modules(model, ConvertOptions(ratio=2, layout=layout), calibration=calibration)
         with torch.no_grad():
             errors[name] = rel_err(model(input_ids=held_out).last_hidden_state, reference)
         assert report.ratio >= 2
@@ -194,7 +193,7 @@ def test_sensitivity_allocation_meets_the_ratio_and_says_how():
 
 
 def test_measured_allocation_meets_the_ratio_and_beats_the_shared_rank_on_its_probe():
-    from comera_convert.conversion.measured import pooled_output
+    from comera_convert.conversion.experimental.measured import pooled_output
 
     dense = build("bert")
     stats = collect(dense, find_candidates(dense)[0], skewed_batches(), source="test")
@@ -237,14 +236,14 @@ def test_bad_calibration_input():
     candidates = find_candidates(model)[0]
     with pytest.raises(ConfigError, match=r"gave 4 sequences; at least 8 are needed"):
         collect(model, candidates, skewed_batches(count=1), source="tiny", min_sequences=8)
-    with pytest.raises(ConfigError, match="needs calibration data"):
-        ConvertOptions(ratio=2, allocation="sensitivity")
+    with pytest.raises(ConfigError, match="allocation 'sensitivity' needs calibration data"):
+        convert_modules(model, ConvertOptions(ratio=2, allocation="sensitivity"))
     with pytest.raises(ConfigError, match="no statistics were given"):
-        convert_with(model, ConvertOptions(ratio=2, calibration="python-stdlib"))
+        convert_modules(model, ConvertOptions(ratio=2, calibration="python-stdlib"))
     with pytest.raises(ConfigError, match="does not apply to a fixed --rank 8"):
         ConvertOptions(rank=8, calibration="python-stdlib", allocation="sensitivity")
     with pytest.raises(ConfigError, match="allocation 'measured' needs calibration data"):
-        ConvertOptions(ratio=2, allocation="measured")
+        convert_modules(model, ConvertOptions(ratio=2, allocation="measured"))
     with pytest.raises(ConfigError, match="allocation in"):
         ConvertOptions(ratio=2, allocation="greedy")
 
@@ -261,7 +260,7 @@ def test_bias_correction_centres_the_error_on_the_calibration_inputs():
         stats = Calibration(grams={"0": (x.T @ x).double()}, sums={"0": x.sum(0).double()}, rows={"0": 512})
         if not corrected:
             stats.sums = {}
-        convert_with(model, ConvertOptions(rank=6, calibration="given"), calibration=stats)
+        convert_modules(model, ConvertOptions(rank=6), calibration=stats)
         with torch.no_grad():
             change = model(x) - (x @ dense[0].T + dense[1])
         errors[corrected] = float(change.mean(0).norm() / change.norm(dim=1).mean())

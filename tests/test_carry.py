@@ -12,7 +12,7 @@ import transformers as tf
 import comera_convert
 from comera_convert.conversion import ConvertOptions
 from comera_convert.hf.model_card import SOURCE_MARKER, parse_card, source_card
-from comera_convert.workflows import convert_checkpoint, decompress_checkpoint
+from comera_convert.api import convert_checkpoint, decompress
 
 from .tiny_models import build, outputs
 
@@ -55,7 +55,7 @@ def source_dir(tmp_path):
 def test_conversion_carries_every_non_weight_file(source_dir, tmp_path, caplog):
     out = tmp_path / "tt"
     with caplog.at_level(logging.WARNING, logger="comera_convert"):
-        convert_checkpoint(str(source_dir), ConvertOptions(ratio=2), out, command="comera convert source --ratio 2")
+        convert_checkpoint(str(source_dir), out, ConvertOptions(ratio=2), command="comera convert source --ratio 2")
     names = {p.name for p in out.iterdir()}
     assert {"chat_template.jinja", "notes.dat", "extras", "generation_config.json"} <= names
     assert not names & {"onnx", "pytorch_model.bin", ".cache", "dangling.txt", "checkpoints", "comera_train_state.json"}
@@ -70,7 +70,7 @@ def test_conversion_carries_every_non_weight_file(source_dir, tmp_path, caplog):
 
 def test_model_card_states_source_licence_method_bytes_and_command(source_dir, tmp_path):
     out = tmp_path / "tt"
-    result = convert_checkpoint(str(source_dir), ConvertOptions(ratio=2), out,
+    result = convert_checkpoint(str(source_dir), out, ConvertOptions(ratio=2),
                                 command="comera convert source --ratio 2")
     text = (out / "README.md").read_text()
     card = parse_card(text)
@@ -89,8 +89,8 @@ def test_model_card_states_source_licence_method_bytes_and_command(source_dir, t
 
 def test_decompress_carries_the_files_and_restores_the_source_card(source_dir, tmp_path):
     compressed = tmp_path / "tt"
-    convert_checkpoint(str(source_dir), ConvertOptions(ratio=2), compressed)
-    dense = decompress_checkpoint(str(compressed), tmp_path / "dense")
+    convert_checkpoint(str(source_dir), compressed, ConvertOptions(ratio=2))
+    dense = decompress(str(compressed), tmp_path / "dense")
     names = {p.name for p in dense.iterdir()}
     assert {"chat_template.jinja", "notes.dat", "extras", "README.md"} <= names
     assert not names & {"comera_report.json", "comera_remote.py"}
@@ -113,7 +113,7 @@ def test_lineage_of_a_trained_checkpoint_keeps_how_it_was_made(tmp_path):
 
 def test_a_user_save_keeps_the_source_card_of_the_loaded_checkpoint(source_dir, tmp_path):
     compressed = tmp_path / "tt"
-    convert_checkpoint(str(source_dir), ConvertOptions(ratio=2), compressed)
+    convert_checkpoint(str(source_dir), compressed, ConvertOptions(ratio=2))
     model = tf.AutoModelForCausalLM.from_pretrained(compressed)
     model.save_pretrained(tmp_path / "again")
     assert "# A tiny test model" in (tmp_path / "again" / "README.md").read_text()

@@ -129,7 +129,7 @@ def test_a_pruned_bond_larger_than_its_neighbours_allow_round_trips(tmp_path):
 
 def test_decompress_gives_an_ordinary_dense_checkpoint(tmp_path):
     model, path = converted("gpt2-clm", tmp_path)
-    dense = comera_convert.decompress(comera_convert.from_pretrained(path))
+    dense = comera_convert.decompress_model(comera_convert.from_pretrained(path))
     dense.save_pretrained(tmp_path / "dense")
     config = json.loads((tmp_path / "dense" / "config.json").read_text())
     assert "quantization_config" not in config and "transformers_weights" not in config
@@ -253,7 +253,7 @@ def test_reordered_embedding_round_trips_and_needs_format_2(tmp_path):
     assert quantization["modules"]["bert.embeddings.word_embeddings"]["reordered"] is True
     loaded = tf.AutoModelForMaskedLM.from_pretrained(tmp_path / "ordered").eval()
     assert torch.equal(outputs(loaded), outputs(model.eval()))
-    dense = comera_convert.decompress(loaded)
+    dense = comera_convert.decompress_model(loaded)
     assert rel_err(outputs(dense), outputs(model)) < 1e-5
     _, plain = converted("bert-mlm", tmp_path)
     assert json.loads((plain / "config.json").read_text())["quantization_config"]["version"] == 1

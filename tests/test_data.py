@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from comera_convert.errors import ConfigError
-from comera_convert.training.data import BUILTIN, documents, is_held_out, pack, sample
+from comera_convert.text import BUILTIN, documents, is_held_out, pack, sample
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def test_builtin_corpus_is_the_standard_library():
 def test_english_corpus_mixes_its_sources_from_the_start():
     import lzma
 
-    from comera_convert.training.data import ENGLISH_FILE
+    from comera_convert.text import ENGLISH_FILE
 
     with lzma.open(ENGLISH_FILE, "rt", encoding="utf-8") as f:
         first = [json.loads(next(f)) for _ in range(500)]

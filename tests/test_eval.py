@@ -99,7 +99,7 @@ def test_baselines_are_measured_on_the_same_domains(tmp_path, corpus):
 
 def test_english_held_out_texts_are_never_training_documents():
     from comera_convert.evaluation import held_out_texts
-    from comera_convert.training.data import documents, is_held_out
+    from comera_convert.text import documents, is_held_out
 
     held_out = held_out_texts("english", 30)
     training = {t for i, t in enumerate(documents("english")) if not is_held_out(i) and i < 2000}

@@ -74,7 +74,7 @@ def test_cli_convert_report_and_fresh_process_load(minilm_tt4, tmp_path):
 
 
 def held_out_texts(source="python-stdlib", count=24):
-    from comera_convert.training.data import HELD_OUT_EVERY, documents
+    from comera_convert.text import HELD_OUT_EVERY, documents
 
     texts = []
     for index, text in enumerate(documents(source)):

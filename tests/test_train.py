@@ -16,7 +16,7 @@ from comera_convert.conversion import count_params
 from comera_convert.errors import ComeraError, ConfigError
 from comera_convert.training import TrainOptions, train
 from comera_convert.training.rank_control import RankController, whole_multiples
-from comera_convert.training.data import Blocks
+from comera_convert.text import Blocks
 from comera_convert.training.run import set_dropout, with_document_starts
 from comera_convert.training.trainer import fused_adamw_applies
 

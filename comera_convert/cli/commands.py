@@ -72,7 +72,7 @@ def convert(model, ratio, rank, layout, embedding_layout, d, targets, exclude, n
             overwrite, as_json):
     """Convert MODEL (directory, hub id or alias such as minilm, bert-base) to a TT checkpoint."""
     from ..recipes import convert_options
-    from ..workflows import convert_checkpoint
+    from ..api import convert_checkpoint
 
     overrides = {"ratio": ratio, "rank": rank, "layout": layout, "embedding_layout": embedding_layout, "d": d,
                  "targets": _patterns(targets), "exclude": _patterns(exclude),
@@ -88,7 +88,7 @@ def convert(model, ratio, rank, layout, embedding_layout, d, targets, exclude, n
     from ..conversion.calibration import DEFAULT_CALIBRATION
 
     with progress_display() as progress:
-        result = convert_checkpoint(model, options, out, task=task, overwrite=overwrite, progress=progress,
+        result = convert_checkpoint(model, out, options, task=task, overwrite=overwrite, progress=progress,
                                     default_calibration=None if no_calibration else DEFAULT_CALIBRATION,
                                     command=command_line())
     if as_json:
@@ -123,7 +123,7 @@ def _print_conversion(result, calibrated: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 def report(models, compare, by_module, as_json):
     """Show what was compressed in MODELS and by how much."""
-    from ..inspect import inspect_checkpoint
+    from ..checkpoint_info import inspect_checkpoint
 
     infos = [inspect_checkpoint(m) for m in models]
     if as_json:
@@ -149,7 +149,7 @@ def report(models, compare, by_module, as_json):
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty output directory.")
 def decompress(model, out, overwrite):
     """Write an ordinary dense checkpoint of a compressed MODEL."""
-    from ..workflows import decompress_checkpoint
+    from ..api import decompress as decompress_checkpoint
 
     start = time.perf_counter()
     with progress_display() as progress:

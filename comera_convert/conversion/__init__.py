@@ -1,19 +1,22 @@
-"""Model-level conversion: which modules, which ranks, the in-place swap, and its report.
+"""Model-level conversion, in torch alone: which modules, which ranks, the in-place swap, its report.
 
-targets    find candidate modules (generic walk; tied heads; patterns)
-allocate   per-layer ranks meeting a whole-model ratio
+targets      find candidate modules (generic walk; tied heads; patterns)
+allocate     per-layer ranks meeting a whole-model ratio
+strategies   the allocation strategies (uniform; experimental/ holds the opt-in studies)
 calibration  input statistics for data-aware conversion (calibrate)
-sensitivity  per-layer ranks from calibration error estimates
-options    ConvertOptions, validated (what recipes hold)
-records    module records <-> TT modules (shared by convert, save and load)
-converter  convert(): the in-place swap
-report     ConversionReport
+options      ConvertOptions, validated (what recipes hold)
+records      module records <-> TT modules (shared by convert, save and load)
+converter    convert_modules(): the in-place swap
+report       ConversionReport
+
+Nothing here imports transformers: ``comera_convert.convert`` (api.py) adds what makes the
+result a transformers model that saves and loads compressed (hf/).
 """
 
 from .calibration import Calibration, calibrate
-from .converter import convert, convert_with, count_params
+from .converter import convert_modules, count_params
 from .options import ConvertOptions
 from .report import ConversionReport, ModuleRow
 
-__all__ = ["Calibration", "ConversionReport", "ConvertOptions", "ModuleRow", "calibrate", "convert", "convert_with",
+__all__ = ["Calibration", "ConversionReport", "ConvertOptions", "ModuleRow", "calibrate", "convert_modules",
            "count_params"]

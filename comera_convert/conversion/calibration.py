@@ -120,7 +120,7 @@ def calibrate(model: nn.Module, tokenizer, data: str = DEFAULT_CALIBRATION,
     takes; its training split). The blocks start at documents spread evenly over the text (one
     per document while there are enough), so they see many documents rather than the first few;
     the input embedding's token frequencies count all the text read (``COUNTED_TOKENS`` at most)."""
-    from ..training.data import sample
+    from ..text import sample
 
     from .targets import find_candidates
 

@@ -42,8 +42,9 @@ class ConvertOptions:
     calibration_sequences: int = 128
     calibration_seq_len: int = 128
     # How --ratio's budget is split: "uniform" (one shared maximum rank), "measured" (per-kind rank
-    # scales searched end to end on the calibration text; conversion/measured.py) or "sensitivity"
-    # (per layer, from the calibration data's error estimates; conversion/sensitivity.py).
+    # scales searched end to end on the calibration text; conversion/experimental/measured.py) or "sensitivity"
+    # (per layer, from the calibration data's error estimates; conversion/experimental/sensitivity.py). Both are experimental: neither
+    # beat the shared rank out of domain after training (strategies.py).
     allocation: str = "uniform"
     # The ranks --ratio chooses are multiples of this (uniform allocation: the shared rank rounded
     # down; measured: each scaled rank to the nearest). 8 suits GPU tensor cores in bf16: on an
@@ -85,8 +86,6 @@ class ConvertOptions:
                               f"(got layout {self.layout}, embedding_layout {self.embedding_layout})")
         if self.allocation not in ALLOCATIONS:
             raise ConfigError(expected(f"allocation in {ALLOCATIONS}", self.allocation))
-        if self.allocation != "uniform" and self.calibration is None:
-            raise ConfigError(f"allocation {self.allocation!r} needs calibration data (--calibration DATA)")
         if self.allocation != "uniform" and self.rank is not None:
             raise ConfigError(f"allocation {self.allocation!r} splits a --ratio budget between layers; it does "
                               f"not apply to a fixed --rank {self.rank}")
@@ -109,7 +108,7 @@ class ConvertOptions:
             raise ConfigError(expected("calibration as a data source (a path, dataset name, english or "
                                        "python-stdlib)", self.calibration))
         if self.calibration is not None:
-            from ..training.data import check_corpus_name
+            from ..text import check_corpus_name
 
             check_corpus_name(self.calibration)
         for name in ("targets", "exclude"):

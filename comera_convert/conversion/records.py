@@ -9,8 +9,6 @@ A record is a JSON-able dict:
 
 from __future__ import annotations
 
-import types
-
 import torch
 from torch import nn
 
@@ -138,33 +136,6 @@ def tie_heads_to_converted_embeddings(model: nn.Module) -> None:
     if isinstance(embedding, TTEmbedding) and isinstance(head, nn.Linear):
         name = next(n for n, m in model.named_modules() if m is head)
         model.set_submodule(name, TiedTTHead(embedding, bias=head.bias))
-
-
-def untie_converted_heads(model: nn.Module) -> None:
-    """Drop transformers' weight-tying entries that point at converted modules.
-
-    The TiedTTHead shares the embedding's cores by itself; transformers' own tying would look
-    for a dense ``weight`` parameter that no longer exists.
-    """
-    tied = getattr(model, "all_tied_weights_keys", None)
-    if not tied:
-        return
-    converted = [name for name, module in model.named_modules() if isinstance(module, (TTModule, TiedTTHead))]
-
-    def touches(param_name: str) -> bool:
-        return any(param_name == f"{m}.weight" for m in converted)
-
-    model.all_tied_weights_keys = {t: s for t, s in tied.items() if not (touches(t) or touches(s))}
-    if hasattr(type(model), "_adjust_bias"):
-        model._adjust_bias = types.MethodType(_adjust_bias_except_tied_heads, model)
-
-
-def _adjust_bias_except_tied_heads(model, output_embeddings, input_embeddings) -> None:
-    """transformers' tying pads a tied head's bias to its ``weight.shape``: for a TiedTTHead that
-    would build the whole embedding table (twice, 94 MB each for bert-base's vocabulary) while
-    loading, and its bias already spans the vocabulary, so the head is left alone."""
-    if not isinstance(output_embeddings, TiedTTHead):
-        type(model)._adjust_bias(model, output_embeddings, input_embeddings)
 
 
 def tensor_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:

@@ -10,6 +10,7 @@ from torch import nn
 
 from ..errors import ModelLoadError
 from .checkpoint_check import read_header
+from .compat import forget_compression
 from .config import QUANT_METHOD, compression_of
 
 
@@ -63,7 +64,7 @@ def _dense_embedding(module) -> nn.Embedding:
 
 
 @torch.no_grad()
-def decompress(model: nn.Module) -> nn.Module:
+def decompress_model(model: nn.Module) -> nn.Module:
     """Replace every TT module by the dense module it represents (in place), and forget the compression.
 
     A head tied to a converted embedding becomes a Linear tied to the dense embedding again.
@@ -87,17 +88,5 @@ def decompress(model: nn.Module) -> nn.Module:
         if head.bias is not None:
             linear.bias = head.bias
         model.set_submodule(name, linear)
-    _forget_compression(model)
+    forget_compression(model)
     return model
-
-
-def _forget_compression(model: nn.Module) -> None:
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "quantization_config"):
-        del config.quantization_config
-    for attr in ("hf_quantizer", "quantization_method", "save_pretrained"):
-        if attr in model.__dict__:
-            delattr(model, attr)
-    model.is_quantized = False
-    if hasattr(model, "get_expanded_tied_weights_keys"):
-        model.all_tied_weights_keys = model.get_expanded_tied_weights_keys(all_submodels=False)

@@ -23,7 +23,7 @@ from ..layers import TTLinear
 
 MERGE_REFUSED = ("a LoRA adapter cannot be merged into a tensor-train layer (the sum is not a tensor train "
                  "of the same ranks): keep the adapter separate (PeftModel), or load it onto "
-                 "comera_convert.decompress(model) and merge into the dense layers")
+                 "comera_convert.decompress_model(model) and merge into the dense layers")
 
 
 class TTLoraLinear(LoraLinear):

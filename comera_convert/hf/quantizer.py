@@ -9,10 +9,10 @@ straight into the cores. The model stays trainable: ``Trainer`` accepts it.
 from __future__ import annotations
 
 from transformers.quantizers import HfQuantizer
-from transformers.quantizers.auto import register_quantization_config, register_quantizer
 
-from ..conversion.records import build_from_records, tie_heads_to_converted_embeddings, untie_converted_heads
+from ..conversion.records import build_from_records, tie_heads_to_converted_embeddings
 from .checkpoint_check import check_tensors_match
+from .compat import mark_compressed, register_quantization_method, untie_converted_heads
 from .config import QUANT_METHOD, WEIGHTS_GUARD, ComeraConfig
 
 
@@ -30,8 +30,9 @@ class ComeraQuantizer(HfQuantizer):
             config.transformers_weights = None
         return config
 
-    # The config hooks transformers calls before it resolves the weight files: update_attn_implementation
-    # from 5.2x, update_tp_plan / update_ep_plan before that. Each one clears the guard; whichever runs.
+    # The config hooks transformers calls before it resolves the weight files (compat.py, touch 6):
+    # update_attn_implementation from 5.2x, update_tp_plan / update_ep_plan before that. Each one
+    # clears the guard; whichever runs.
     def update_attn_implementation(self, config):
         return self._past_the_guard(config)
 
@@ -56,8 +57,6 @@ class ComeraQuantizer(HfQuantizer):
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
-        from ..conversion.converter import mark_compressed
-
         mark_compressed(model, self.quantization_config)
         return model
 
@@ -80,9 +79,4 @@ class ComeraQuantizer(HfQuantizer):
 
 def register() -> None:
     """Register the "comera" method with transformers (idempotent)."""
-    from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
-
-    if QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
-        register_quantization_config(QUANT_METHOD)(ComeraConfig)
-    if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
-        register_quantizer(QUANT_METHOD)(ComeraQuantizer)
+    register_quantization_method(QUANT_METHOD, ComeraConfig, ComeraQuantizer)

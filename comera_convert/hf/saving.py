@@ -10,7 +10,7 @@ directory, then adds what makes the directory a comera checkpoint and moves it i
   * comera_report.json and a README.md model card (model_card.py) on top of the source's card;
   * every non-weight file and folder of the source directory (carry.py): tokenizer,
     sentence-transformers modules, generation config, chat template.
-Converted models get ``save_pretrained`` routed here (``install_save_hook``), so
+Converted models get ``save_pretrained`` routed here (``compat.install_save_hook``), so
 ``model.save_pretrained(dir)`` and Trainer checkpoints are compressed checkpoints too.
 """
 
@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import tempfile
-import types
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -167,11 +166,3 @@ def _loaded_from(model) -> Path | None:
     """The local directory ``from_pretrained`` read this model from, if any."""
     path = getattr(model, "name_or_path", None)
     return Path(path) if path and Path(path).is_dir() else None
-
-
-def install_save_hook(model) -> None:
-    """Route this model's ``save_pretrained`` through ``save_compressed`` (the instance only)."""
-    def save_pretrained(self, save_directory, **kwargs):
-        return save_compressed(self, save_directory, overwrite=True, **kwargs)
-
-    model.save_pretrained = types.MethodType(save_pretrained, model)

@@ -120,3 +120,12 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, mode: str = "mean") -> torch.
     total = (hidden * weights).sum(dim=1)
     count = weights.sum(dim=1).clamp(min=1e-9)
     return total / count if mode == "mean" else total / count.sqrt()
+
+
+@torch.no_grad()
+def sentence_embeddings(model, batch, pooling: str = "mean") -> torch.Tensor:
+    """Pooled last hidden states of a batch (input_ids, attention_mask) of a transformers model (its
+    base model when it has a head), autograd off."""
+    base = getattr(model, "base_model", model)
+    hidden = base(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    return pool(hidden.float(), batch["attention_mask"], pooling)

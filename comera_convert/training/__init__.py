@@ -2,14 +2,26 @@
 
 options       TrainOptions: CoMERA's constants, validated (what recipes hold)
 rank_control  model size from the gates, its surrogate, pruning, the two stages
-data          text sources and the built-in python-stdlib corpus; packing into blocks
+budget        the late stage's size budget for --target-ratio
 objectives    mlm, clm, distill: heads, collators and the task loss
 trainer       ComeraTrainer (optimizer groups, staged loss, truncated checkpoints, resume)
 plot          the loss / ratio curve as a PNG
 run           train(): load -> data -> Trainer -> export
+
+``train`` and ``TrainResult`` load transformers' Trainer, so they are imported on first use:
+reading the options (recipes, the CLI's choices) stays light.
 """
 
+from __future__ import annotations
+
+import importlib
+
 from .options import TrainOptions
-from .run import TrainResult, train
 
 __all__ = ["TrainOptions", "TrainResult", "train"]
+
+
+def __getattr__(name: str):
+    if name in ("train", "TrainResult"):
+        return getattr(importlib.import_module(".run", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

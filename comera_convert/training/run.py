@@ -20,7 +20,7 @@ import torch
 from ..errors import ComeraError, ConfigError, ModelLoadError
 from ..hf.config import compression_of
 from ..models import load_tokenizer, read_config, resolve
-from .data import Blocks, pack
+from ..text import Blocks, pack
 from .objectives import BlockCollator, pick_objective, resolve_objective, task_for, task_loss
 from .options import TrainOptions
 from .rank_control import RankController
@@ -112,7 +112,7 @@ def held_out_loss(model, blocks, objective, collate, teacher, batch_size: int) -
 
 def held_out_embeddings(model, blocks, batch_size: int) -> torch.Tensor:
     """The model's mean-pooled sentence embeddings of the held-out blocks, one row per block."""
-    from ..evaluation import sentence_embeddings
+    from ..hf.sentence_config import sentence_embeddings
 
     pooled = []
     with evaluating(model) as device:

@@ -79,12 +79,12 @@ def contract_chain(cores: list[torch.Tensor]) -> torch.Tensor:
     return result.reshape(modes)
 
 
-def _check_matrix(matrix: torch.Tensor, spec: TTSpec) -> None:
+def check_matrix(matrix: torch.Tensor, spec: TTSpec) -> None:
     if matrix.dim() != 2 or tuple(matrix.shape) != (spec.rows, spec.cols):
         raise ShapeError(expected(f"a {spec.rows} x {spec.cols} matrix", tuple(matrix.shape)))
 
 
-def _padded(matrix: torch.Tensor, spec: TTSpec) -> torch.Tensor:
+def padded(matrix: torch.Tensor, spec: TTSpec) -> torch.Tensor:
     """Zero-pad the matrix up to prod(row_modes) x prod(col_modes)."""
     pad_rows, pad_cols = spec.padded_rows - spec.rows, spec.padded_cols - spec.cols
     if pad_rows or pad_cols:
@@ -92,7 +92,7 @@ def _padded(matrix: torch.Tensor, spec: TTSpec) -> torch.Tensor:
     return matrix
 
 
-def _interleave(matrix: torch.Tensor, spec: TTSpec) -> torch.Tensor:
+def interleave(matrix: torch.Tensor, spec: TTSpec) -> torch.Tensor:
     """(R, C) -> (m_1 n_1, ..., m_d n_d), the order TTM-SVD decomposes."""
     d = len(spec.row_modes)
     tensor = matrix.reshape(spec.row_modes + spec.col_modes)
@@ -101,7 +101,7 @@ def _interleave(matrix: torch.Tensor, spec: TTSpec) -> torch.Tensor:
 
 
 def _deinterleave(tensor: torch.Tensor, spec: TTSpec) -> torch.Tensor:
-    """(m_1, n_1, ..., m_d, n_d) -> (R, C): the inverse of ``_interleave``."""
+    """(m_1, n_1, ..., m_d, n_d) -> (R, C): the inverse of ``interleave``."""
     d = len(spec.row_modes)
     pairs = [m for pair in zip(spec.row_modes, spec.col_modes) for m in pair]
     order = [2 * k for k in range(d)] + [2 * k + 1 for k in range(d)]
@@ -115,12 +115,12 @@ def matrix_to_cores(matrix: torch.Tensor, spec: TTSpec) -> list[torch.Tensor]:
     come out as spec.ranks or smaller where the matrix has lower rank at a bond; callers that
     need exact shapes pad with ``pad_cores``.
     """
-    _check_matrix(matrix, spec)
-    work = _padded(matrix.detach().to(compute_dtype(matrix.dtype)), spec)
+    check_matrix(matrix, spec)
+    work = padded(matrix.detach().to(compute_dtype(matrix.dtype)), spec)
     if spec.layout == "tt":
         cores = tt_svd(work.reshape(spec.bond_modes), spec.ranks)
     else:
-        flat = tt_svd(_interleave(work, spec), spec.ranks)
+        flat = tt_svd(interleave(work, spec), spec.ranks)
         cores = [c.reshape(c.shape[0], m, n, c.shape[2])
                  for c, m, n in zip(flat, spec.row_modes, spec.col_modes)]
     return pad_cores([c.to(matrix.dtype) for c in cores], spec)
@@ -128,14 +128,14 @@ def matrix_to_cores(matrix: torch.Tensor, spec: TTSpec) -> list[torch.Tensor]:
 
 def pad_cores(cores: list[torch.Tensor], spec: TTSpec) -> list[torch.Tensor]:
     """Zero-pad cores whose bonds came out smaller than spec.ranks (a rank-deficient matrix)."""
-    padded = []
+    full = []
     for core, shape in zip(cores, spec.core_shapes()):
         if tuple(core.shape) != shape:
             grown = core.new_zeros(shape)
             grown[tuple(slice(0, s) for s in core.shape)] = core
             core = grown
-        padded.append(core.contiguous())
-    return padded
+        full.append(core.contiguous())
+    return full
 
 
 def cores_to_matrix(cores: list[torch.Tensor], spec: TTSpec) -> torch.Tensor:
@@ -154,8 +154,8 @@ def unfolding_tail_bound(matrix: torch.Tensor, spec: TTSpec) -> float:
     eps_k is the norm of the singular values the k-th unfolding of the (padded, for ttm
     interleaved) tensor loses when truncated to rank r_k.
     """
-    work = _padded(matrix.detach().to(torch.float64), spec)
-    tensor = work.reshape(spec.bond_modes) if spec.layout == "tt" else _interleave(work, spec)
+    work = padded(matrix.detach().to(torch.float64), spec)
+    tensor = work.reshape(spec.bond_modes) if spec.layout == "tt" else interleave(work, spec)
     modes = spec.bond_modes
     total = 0.0
     for k, r in enumerate(spec.ranks):

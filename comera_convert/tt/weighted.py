@@ -25,7 +25,7 @@ import torch
 
 from ..errors import ShapeError, expected
 from .als import als_refine
-from .decompose import _check_matrix, _interleave, _padded, left_singular_vectors, pad_cores, tt_svd
+from .decompose import check_matrix, interleave, padded, left_singular_vectors, pad_cores, tt_svd
 from .spec import TTSpec
 
 
@@ -68,7 +68,7 @@ def whitened_tt_cores(matrix: torch.Tensor, spec: TTSpec, factor: torch.Tensor) 
     """tt-layout cores of an R x C matrix that minimize ||S (M - M_tt)|| at the middle and output
     bonds. ``factor`` is S: upper triangular R x R (``input_factor``), or a vector of R positive
     row weights (a diagonal S). The cores come back in the matrix's dtype."""
-    _check_matrix(matrix, spec)
+    check_matrix(matrix, spec)
     if spec.layout != "tt":
         raise ShapeError(expected("a tt-layout spec", spec.layout))
     if tuple(factor.shape) not in ((spec.rows, spec.rows), (spec.rows,)):
@@ -76,7 +76,7 @@ def whitened_tt_cores(matrix: torch.Tensor, spec: TTSpec, factor: torch.Tensor) 
                                   tuple(factor.shape)))
     d = len(spec.row_modes)
     factor = _padded_factor(factor.to(torch.float64), spec.padded_rows)
-    work = _padded(matrix.detach().to(torch.float64), spec)
+    work = padded(matrix.detach().to(torch.float64), spec)
     whitened = factor[:, None] * work if factor.dim() == 1 else factor @ work
     out_cores, middle = _right_sweep(whitened.reshape((spec.padded_rows,) + spec.col_modes), spec.ranks[d - 1:])
     # S^{-1} A: the input half.
@@ -155,15 +155,15 @@ def _outer_product(vectors: list[torch.Tensor]) -> torch.Tensor:
 def scaled_ttm_cores(matrix: torch.Tensor, spec: TTSpec, row_weights: torch.Tensor) -> list[torch.Tensor]:
     """ttm-layout cores that weight the rows of M by ``row_weights`` (R, non-negative), through the
     closest product of per-mode weights: each core's input mode is scaled back after TTM-SVD."""
-    _check_matrix(matrix, spec)
+    check_matrix(matrix, spec)
     if spec.layout != "ttm":
         raise ShapeError(expected("a ttm-layout spec", spec.layout))
     if tuple(row_weights.shape) != (spec.rows,):
         raise ShapeError(expected(f"{spec.rows} row weights", tuple(row_weights.shape)))
     vectors = mode_weights(row_weights, spec.row_modes, spec.padded_rows)
     scale = _outer_product(vectors)
-    work = _padded(matrix.detach().to(torch.float64), spec) * scale[:, None]
-    flat = tt_svd(_interleave(work, spec), spec.ranks)
+    work = padded(matrix.detach().to(torch.float64), spec) * scale[:, None]
+    flat = tt_svd(interleave(work, spec), spec.ranks)
     cores = [c.reshape(c.shape[0], m, n, c.shape[2]) / v[None, :, None, None]
              for c, m, n, v in zip(flat, spec.row_modes, spec.col_modes, vectors)]
     return pad_cores([c.to(matrix.dtype) for c in cores], spec)
@@ -172,10 +172,10 @@ def scaled_ttm_cores(matrix: torch.Tensor, spec: TTSpec, row_weights: torch.Tens
 def whitened_ttm_cores(matrix: torch.Tensor, spec: TTSpec, gram: torch.Tensor) -> list[torch.Tensor]:
     """ttm-layout cores that lower ||S (M - M_tt)|| for the input Gram matrix G = S^T S (R x R):
     TTM-SVD with rows weighted by sqrt(G_ii), then ALS sweeps on the whole objective (``als``)."""
-    _check_matrix(matrix, spec)
+    check_matrix(matrix, spec)
     if tuple(gram.shape) != (spec.rows, spec.rows):
         raise ShapeError(expected(f"a {spec.rows} x {spec.rows} Gram matrix", tuple(gram.shape)))
     cores = scaled_ttm_cores(matrix, spec, gram.diagonal().clamp_min(0).sqrt())
     padded_gram = gram.new_zeros(spec.padded_rows, spec.padded_rows)  # padding rows carry no input
     padded_gram[: spec.rows, : spec.rows] = gram
-    return als_refine(_padded(matrix.detach(), spec), cores, spec, padded_gram)  # in its compute dtype
+    return als_refine(padded(matrix.detach(), spec), cores, spec, padded_gram)  # in its compute dtype

@@ -29,11 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import RatioError
-from .allocate import LayoutChoice, allocate_ranks
-from .calibration import Calibration
-from .report import fold_layer_numbers
-from .targets import Candidate
+from ...errors import RatioError
+from ..allocate import LayoutChoice, allocate_ranks
+from ..calibration import Calibration
+from ..report import fold_layer_numbers
+from ..targets import Candidate
 
 # Each kind's scale is tried this much lower and higher, once per sweep.
 SCALE_STEPS = (0.6, 1.4)

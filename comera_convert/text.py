@@ -1,4 +1,5 @@
-"""Training text: files, directories, JSONL, Hugging Face datasets, or a built-in corpus.
+"""Text sources, the held-out split, and tokenized samples and blocks: what calibration, training
+and evaluation read (files, directories, JSONL, Hugging Face datasets, or a built-in corpus).
 
 Two corpora ship with the package and need no network:
 
@@ -26,13 +27,13 @@ from typing import Iterator
 
 import torch
 
-from ..errors import ConfigError
+from .errors import ConfigError
 
 ENGLISH = "english"
 PYTHON_STDLIB = "python-stdlib"
 BUILTIN = PYTHON_STDLIB  # the code corpus (what code models calibrate and train on by default)
 CORPORA = (ENGLISH, PYTHON_STDLIB)  # the built-in corpora, by name
-ENGLISH_FILE = Path(__file__).resolve().parents[1] / "corpora" / "english.jsonl.xz"
+ENGLISH_FILE = Path(__file__).resolve().parent / "corpora" / "english.jsonl.xz"
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".c", ".h", ".js", ".ts", ".java", ".go", ".rs", ".json",
                  ".html", ".css", ".sh", ".yaml", ".yml", ".toml", ".tex"}
 # A tokenizer that turns more than this share of a text into its unknown token cannot read it.

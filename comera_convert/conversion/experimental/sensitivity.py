@@ -24,13 +24,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import RatioError
-from ..layers.tt_linear import dense_weight_of
-from ..tt.decompose import _interleave, _padded
-from ..tt.spec import TTSpec
-from .allocate import LayoutChoice, model_params_with
-from .calibration import Calibration
-from .targets import Candidate
+from ...errors import RatioError
+from ...layers.tt_linear import dense_weight_of
+from ...tt.decompose import interleave, padded
+from ...tt.spec import TTSpec
+from ..allocate import LayoutChoice, model_params_with
+from ..calibration import Calibration
+from ..targets import Candidate
 
 RANK_LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512, 768, 1024)
 
@@ -65,8 +65,8 @@ def weighted_matrix(candidate: Candidate, calibration: Calibration) -> torch.Ten
 
 def error_curve(weighted: torch.Tensor, spec: TTSpec) -> ErrorCurve:
     """Spectra of every bond's unfolding of ``weighted`` laid out as ``spec`` lays it out."""
-    work = _padded(weighted, spec)
-    tensor = work.reshape(spec.bond_modes) if spec.layout == "tt" else _interleave(work, spec)
+    work = padded(weighted, spec)
+    tensor = work.reshape(spec.bond_modes) if spec.layout == "tt" else interleave(work, spec)
     spectra, left = [], 1
     for k in range(len(spec.bond_modes) - 1):
         left *= spec.bond_modes[k]

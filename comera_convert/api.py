@@ -1,4 +1,14 @@
-"""End-to-end jobs on checkpoints, as the CLI runs them: load, convert or decompress, save."""
+"""The public verbs: one per job, the same ones the CLI runs.
+
+    convert(model, options, calibration=)     a model in memory, in place -> ConversionReport
+    convert_checkpoint(source, out, options)  load, (calibrate,) convert, save -> ConversionResult
+    calibrate(model, tokenizer, data)         the statistics a data-aware conversion uses
+    train(checkpoint, options, out)           rank-adaptive continued pre-training (`comera train`)
+    evaluate(checkpoint, reference)           fidelity per domain (`comera eval`)
+    from_pretrained(checkpoint)               load as the class it was saved from
+    decompress(checkpoint, out)               a dense checkpoint (`comera decompress`)
+    decompress_model(model)                   a model in memory, in place
+"""
 
 from __future__ import annotations
 
@@ -7,13 +17,52 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .conversion import ConversionReport, ConvertOptions, convert_with
+from torch import nn
+
+from .conversion import Calibration, ConversionReport, ConvertOptions, calibrate, convert_modules
 from .conversion.report import lineage
 from .conversion.storage import cast_for_storage
+from .hf.compat import mark_compressed, untie_converted_heads
+from .hf.config import ComeraConfig
+from .hf.loading import decompress_model, from_pretrained
 from .hf.saving import check_output_dir, save_compressed, weight_bytes
 from .hf.sentence_config import check_modules
 from .models import load_model, resolve
+from .option_files import from_mapping
 from .progress import Progress, no_progress
+
+__all__ = ["ConversionResult", "calibrate", "convert", "convert_checkpoint", "decompress", "decompress_model",
+           "from_pretrained"]
+# train and evaluate are comera_convert.training.train and comera_convert.evaluation.evaluate,
+# exported from the package as they are (importing them loads transformers' Trainer).
+
+
+def convert(model: nn.Module, options: ConvertOptions | None = None, *, calibration: Calibration | None = None,
+            source: str | None = None, progress=None, **overrides) -> ConversionReport:
+    """Convert ``model`` in place and return the report; ``model.save_pretrained`` then writes a
+    compressed checkpoint.
+
+    ``options``: a ConvertOptions (default: ratio 4); ``overrides``: any of its fields (ratio=,
+    rank=, layout=, targets=, exclude=, allocation=, ...), validated the same way. ``calibration``:
+    the statistics of ``calibrate(model, tokenizer, data)``. ``source``: the dense model's name,
+    recorded for `comera eval` and distillation. ``progress(name, index, count)`` hears of each module.
+    """
+    options = with_overrides(options, overrides)
+    report = convert_modules(model, options, calibration=calibration, progress=progress, source=source)
+    untie_converted_heads(model)
+    mark_compressed(model, ComeraConfig(source=source, dense_params=report.params_before))
+    return report
+
+
+def with_overrides(options: ConvertOptions | None, overrides: dict) -> ConvertOptions:
+    """``options`` (default ConvertOptions()) with ``overrides`` applied and validated; a fixed rank
+    given as an override replaces the default ratio."""
+    if not overrides:
+        return options or ConvertOptions()
+    base = dataclasses.asdict(options or ConvertOptions())
+    if overrides.get("rank") is not None and "ratio" not in overrides:
+        base["ratio"] = None
+    return from_mapping(ConvertOptions, {**base, **overrides}, "convert()")
 
 
 @dataclass
@@ -25,10 +74,11 @@ class ConversionResult:
     notes: list[str] = field(default_factory=list)  # what the user should know (a skipped default)
 
 
-def convert_checkpoint(model_name: str, options: ConvertOptions, out, *, task=None, overwrite=False,
+def convert_checkpoint(model_name: str, out, options: ConvertOptions | None = None, *, task=None, overwrite=False,
                        progress: Progress | None = None, default_calibration: str | None = None,
-                       command: str | None = None) -> ConversionResult:
-    """Load ``model_name``, convert it with ``options`` and write a compressed checkpoint to ``out``.
+                       command: str | None = None, **overrides) -> ConversionResult:
+    """Load ``model_name``, convert it with ``options`` (and ``overrides``, as ``convert`` takes them)
+    and write a compressed checkpoint to ``out``.
 
     ``default_calibration``: the data to calibrate on when ``options`` names none (`comera convert`
     passes ``english``); a model without a tokenizer then converts by plain TT-SVD, as the
@@ -36,6 +86,7 @@ def convert_checkpoint(model_name: str, options: ConvertOptions, out, *, task=No
     line that asked for it, recorded in the report and the model card. ``progress`` hears of each
     stage (loading, calibrating, each module converted, saving)."""
     progress = progress or no_progress
+    options = with_overrides(options, overrides)
     out = check_output_dir(out, overwrite)  # fail before the slow part
     check_modules(resolve(model_name))  # a sentence-transformers config that could never load
     start = time.perf_counter()
@@ -54,8 +105,8 @@ def convert_checkpoint(model_name: str, options: ConvertOptions, out, *, task=No
         progress(f"calibrating on {options.calibration}")
     calibration = _calibration(model, path, options, tokenizer) if options.calibration else None
     calibrated = time.perf_counter()
-    report = convert_with(model, options, source=model_name, calibration=calibration,
-                          progress=lambda name, index, total: progress(f"converting {name}", index, total))
+    report = convert(model, options, calibration=calibration, source=model_name,
+                     progress=lambda name, index, total: progress(f"converting {name}", index, total))
     if options.dtype is not None:
         cast_for_storage(model, options.dtype)
     report.extra["storage_dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -86,7 +137,6 @@ def _tokenizer_or_none(path: str):
 
 def _calibration(model, path, options: ConvertOptions, tokenizer=None):
     """Calibration statistics on ``options.calibration``, with ``tokenizer`` when it was loaded already."""
-    from .conversion.calibration import calibrate
     from .models import load_tokenizer
 
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path, "--calibration")
@@ -94,19 +144,18 @@ def _calibration(model, path, options: ConvertOptions, tokenizer=None):
                      options.calibration_seq_len, options.targets, options.exclude, options.d)
 
 
-def decompress_checkpoint(model_name: str, out, *, overwrite=False, progress: Progress | None = None) -> Path:
+def decompress(model_name: str, out, *, overwrite=False, progress: Progress | None = None) -> Path:
     """Write an ordinary dense checkpoint of a compressed one (atomically), with every non-weight
     file of it (sentence-transformers modules, tokenizer) and the source's model card."""
     progress = progress or no_progress
     from .hf.carry import carry_files
-    from .hf.loading import decompress, from_pretrained
     from .hf.model_card import source_card, write_dense_card
     from .hf.saving import atomic_directory
 
     out = check_output_dir(out, overwrite)
     path = resolve(model_name)
     progress(f"loading {model_name}")
-    model = decompress(from_pretrained(path))
+    model = decompress_model(from_pretrained(path))
     progress(f"saving {out}")
     with atomic_directory(out, replace_dir=True) as tmp:
         model.save_pretrained(tmp)

@@ -1,0 +1,99 @@
+"""Rank allocation strategies: how a ``--ratio`` budget is split between the converted layers.
+
+A strategy takes an ``AllocationRequest`` and returns an ``Allocation``: one spec per candidate
+(None keeps it dense), the shared maximum rank where there is one, and what the report says.
+``uniform`` (one shared rank, the largest the ratio allows) is the default and what the quality
+figures were measured with; the experimental ones (``conversion/experimental/``) are opt-in
+studies that did not beat it out of domain after training (their docstrings say by how much).
+A new strategy is a function registered in ``STRATEGIES``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from ..errors import ConfigError
+from .allocate import LayoutChoice, allocate_ranks
+from .calibration import Calibration
+from .options import ConvertOptions
+from .targets import Candidate
+
+
+@dataclass
+class AllocationRequest:
+    model: nn.Module
+    candidates: list[Candidate]
+    params_before: int
+    options: ConvertOptions
+    choice: LayoutChoice
+    calibration: Calibration | None
+    # Converts a copy with trial specs (strategies that measure conversions end to end).
+    swap_in: Callable[[nn.Module, list[Candidate], list], None]
+    progress: Callable[[str, int, int], None] | None = None
+
+
+@dataclass
+class Allocation:
+    specs: list
+    shared_rank: int | None
+    description: str  # the report's "allocation" entry
+    extra: dict = field(default_factory=dict)
+
+
+def uniform(request: AllocationRequest) -> Allocation:
+    """One shared maximum rank, the largest the ratio allows; the input embedding gets
+    ``embedding_rank_scale`` times it; left-over budget lifts the largest layers one rank."""
+    specs, shared_rank = allocate_ranks(request.candidates, request.params_before, request.options.ratio,
+                                        request.choice, _embedding_scale(request.model,
+                                                                         request.options.embedding_rank_scale))
+    return Allocation(specs, shared_rank, "uniform: one shared maximum rank")
+
+
+def measured(request: AllocationRequest) -> Allocation:
+    from .experimental.measured import allocate_measured
+
+    calibration = _needs_calibration(request)
+    if calibration.probe is None:
+        raise ConfigError("allocation 'measured' needs probe sequences in the calibration: build it with "
+                          "calibrate() or collect()")
+    specs, scales, cosine = allocate_measured(request.model, request.candidates, request.params_before,
+                                              request.options.ratio, request.choice, calibration,
+                                              request.swap_in, request.progress)
+    return Allocation(specs, None, "measured: per-kind rank scales searched end to end on the calibration "
+                                   "sequences (experimental)",
+                      {"rank_scales": {kind: round(scale, 3) for kind, scale in scales.items()},
+                       "probe_cosine": round(cosine, 4)})
+
+
+def sensitivity(request: AllocationRequest) -> Allocation:
+    from .experimental.sensitivity import allocate_by_sensitivity
+
+    specs, estimated = allocate_by_sensitivity(request.candidates, request.params_before, request.options.ratio,
+                                               request.choice, _needs_calibration(request))
+    return Allocation(specs, None, "sensitivity: per-layer ranks, greedy by estimated output error removed per "
+                                   "parameter on the calibration inputs (experimental)",
+                      {"estimated_relative_error": {k: round(v, 4) for k, v in estimated.items()}})
+
+
+STRATEGIES: dict[str, Callable[[AllocationRequest], Allocation]] = {
+    "uniform": uniform, "measured": measured, "sensitivity": sensitivity}
+
+
+def _needs_calibration(request: AllocationRequest) -> Calibration:
+    if request.calibration is None:
+        raise ConfigError(f"allocation {request.options.allocation!r} needs calibration data (--calibration "
+                          f"DATA, or calibration=calibrate(model, tokenizer, DATA))")
+    return request.calibration
+
+
+def _embedding_scale(model: nn.Module, scale: float):
+    """The uniform allocation's per-layer rank scale: ``scale`` for the input embedding, 1 elsewhere
+    (None when there is nothing to scale)."""
+    get = getattr(model, "get_input_embeddings", None)
+    words = get() if get is not None else None
+    if words is None or scale == 1:
+        return None
+    return lambda candidate: scale if candidate.module is words else 1.0

@@ -1,0 +1,116 @@
+"""Every place comera_convert reaches past transformers' public API, in one module.
+
+transformers has no public hook for what a compressed model needs from it, so these lean on
+internals. Each function names what it touches; ``tests/test_compat.py`` has a test per touch
+point, so a transformers release that moves one fails there, by name, rather than somewhere in a
+conversion. The supported range is declared in pyproject.toml (``SUPPORTED_TRANSFORMERS``);
+``tools/test_transformers_range.sh`` runs the integration tests on its lowest and newest releases.
+
+Touch points:
+  1. ``PreTrainedModel.all_tied_weights_keys``: the tying entries of converted modules are dropped.
+  2. ``PreTrainedModel._adjust_bias``: patched on the instance so tying leaves a TiedTTHead alone.
+  3. ``model.hf_quantizer`` / ``is_quantized`` / ``quantization_method``: set on converted models
+     (as transformers sets them on loaded quantized ones) and removed on decompression.
+  4. ``get_expanded_tied_weights_keys``: restores transformers' tying after decompression.
+  5. ``save_pretrained``: replaced on the converted instance (never on the class).
+  6. ``HfQuantizer`` config hooks (``update_attn_implementation`` from 5.2x, ``update_tp_plan`` /
+     ``update_ep_plan`` before): where the checkpoint's weights guard is cleared.
+  7. The quantizer registries (``register_quantizer`` / ``register_quantization_config``).
+  8. ``Trainer._save_checkpoint`` / ``_save`` / ``_load_from_checkpoint``: overridden by
+     ComeraTrainer for truncated checkpoints (``TRAINER_HOOKS``).
+"""
+
+from __future__ import annotations
+
+import types
+
+from torch import nn
+
+from ..layers import TiedTTHead, TTModule
+
+SUPPORTED_TRANSFORMERS = ">=5.0,<6"
+TRAINER_HOOKS = ("_save_checkpoint", "_save", "_load_from_checkpoint")
+CONFIG_HOOKS = ("update_attn_implementation", "update_tp_plan", "update_ep_plan")
+
+
+# 1, 2 --------------------------------------------------------------------------------------------
+def untie_converted_heads(model: nn.Module) -> None:
+    """Drop transformers' weight-tying entries that point at converted modules (touch 1), and keep
+    its bias adjustment away from TiedTTHeads (touch 2).
+
+    The TiedTTHead shares the embedding's cores by itself; transformers' own tying would look for a
+    dense ``weight`` parameter that no longer exists.
+    """
+    tied = getattr(model, "all_tied_weights_keys", None)
+    if not tied:
+        return
+    converted = [name for name, module in model.named_modules() if isinstance(module, (TTModule, TiedTTHead))]
+
+    def touches(param_name: str) -> bool:
+        return any(param_name == f"{m}.weight" for m in converted)
+
+    model.all_tied_weights_keys = {t: s for t, s in tied.items() if not (touches(t) or touches(s))}
+    if hasattr(type(model), "_adjust_bias"):
+        model._adjust_bias = types.MethodType(_adjust_bias_except_tied_heads, model)
+
+
+def _adjust_bias_except_tied_heads(model, output_embeddings, input_embeddings) -> None:
+    """transformers' tying pads a tied head's bias to its ``weight.shape``: for a TiedTTHead that
+    would build the whole embedding table (twice, 94 MB each for bert-base's vocabulary) while
+    loading, and its bias already spans the vocabulary, so the head is left alone."""
+    if not isinstance(output_embeddings, TiedTTHead):
+        type(model)._adjust_bias(model, output_embeddings, input_embeddings)
+
+
+# 3, 5 --------------------------------------------------------------------------------------------
+def mark_compressed(model: nn.Module, quantization_config) -> None:
+    """Make a converted model look and save like a loaded compressed model: its config records the
+    compression (following the live modules; touch 3) and ``save_pretrained`` writes compressed
+    checkpoints (touch 5)."""
+    from .quantizer import ComeraQuantizer
+
+    quantization_config.attach(model)
+    install_save_hook(model)
+    config = getattr(model, "config", None)
+    if config is None:
+        return  # a plain nn.Module: nothing more to record
+    config.quantization_config = quantization_config
+    model.hf_quantizer = ComeraQuantizer(quantization_config, pre_quantized=True)
+    model.is_quantized = True
+    model.quantization_method = quantization_config.quant_method
+
+
+def install_save_hook(model: nn.Module) -> None:
+    """Route this model's ``save_pretrained`` through ``save_compressed`` (the instance only; touch 5)."""
+    from .saving import save_compressed
+
+    def save_pretrained(self, save_directory, **kwargs):
+        return save_compressed(self, save_directory, overwrite=True, **kwargs)
+
+    model.save_pretrained = types.MethodType(save_pretrained, model)
+
+
+# 3, 4, 5 -----------------------------------------------------------------------------------------
+def forget_compression(model: nn.Module) -> None:
+    """Undo ``mark_compressed`` on a decompressed model, and restore transformers' own tying (touch 4)."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "quantization_config"):
+        del config.quantization_config
+    for attr in ("hf_quantizer", "quantization_method", "save_pretrained", "_adjust_bias"):
+        if attr in model.__dict__:
+            delattr(model, attr)
+    model.is_quantized = False
+    if hasattr(model, "get_expanded_tied_weights_keys"):
+        model.all_tied_weights_keys = model.get_expanded_tied_weights_keys(all_submodels=False)
+
+
+# 7 -----------------------------------------------------------------------------------------------
+def register_quantization_method(name: str, config_class, quantizer_class) -> None:
+    """Register a quantization method with transformers' Auto mappings (idempotent; touch 7)."""
+    from transformers.quantizers.auto import (AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING,
+                                              register_quantization_config, register_quantizer)
+
+    if name not in AUTO_QUANTIZATION_CONFIG_MAPPING:
+        register_quantization_config(name)(config_class)
+    if name not in AUTO_QUANTIZER_MAPPING:
+        register_quantizer(name)(quantizer_class)

@@ -1,0 +1,52 @@
+"""The public verbs: one per job, exported from comera_convert, loaded on first use."""
+
+import subprocess
+import sys
+
+import pytest
+
+import comera_convert
+from comera_convert.conversion import ConvertOptions
+from comera_convert.errors import ConfigError
+
+from .tiny_models import build
+
+
+def test_convert_takes_options_and_overrides_of_the_same_fields():
+    options = ConvertOptions(ratio=3, layout="ttm")
+    model = build("bert")
+    report = comera_convert.convert(model, options, exclude=["pooler"])
+    assert report.ratio >= 3 and "bert.pooler.dense" not in {m.name for m in report.modules}
+    assert {m.layout for m in report.modules if m.kind == "linear"} == {"ttm"}
+    assert options.exclude is None  # the caller's options are not changed
+    fixed = comera_convert.convert(build("bert"), rank=4)
+    assert fixed.target_ratio is None and fixed.shared_rank == 4  # a rank replaces the default ratio
+
+
+def test_an_unknown_or_invalid_override_is_one_clear_error():
+    with pytest.raises(ConfigError, match="ratioo"):
+        comera_convert.convert(build("bert"), ratioo=4)
+    with pytest.raises(ConfigError, match="a ratio greater than 1"):
+        comera_convert.convert(build("bert"), ratio=0.5)
+
+
+def test_every_verb_is_exported():
+    from comera_convert import api, evaluation, training
+    from comera_convert.conversion import calibration
+
+    assert comera_convert.train is training.run.train and comera_convert.evaluate is evaluation.evaluate
+    assert comera_convert.calibrate is calibration.calibrate
+    for name in ("convert", "convert_checkpoint", "decompress", "decompress_model", "from_pretrained"):
+        assert getattr(comera_convert, name) is getattr(api, name)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        comera_convert.nope
+
+
+def test_import_registers_the_loader_and_loads_nothing_else():
+    script = ("import sys, comera_convert; "
+              "from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING; "
+              "print('comera' in AUTO_QUANTIZER_MAPPING, "
+              "any(m in sys.modules for m in ('comera_convert.training.run', 'transformers.trainer', "
+              "'comera_convert.api', 'matplotlib')))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["True", "False"], done.stderr[-2000:]

@@ -1,0 +1,113 @@
+"""The package's layers only look down (ARCHITECTURE.md): every import of comera_convert's own modules,
+at the top of a file or inside a function, goes to its own layer or a lower one; no two parts import
+each other; and nothing below hf/ imports transformers."""
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import comera_convert
+
+ROOT = Path(comera_convert.__file__).parent
+# Lowest first. A part may import its own layer and the layers below it.
+LAYERS = [
+    {"errors", "progress", "option_files"},
+    {"tt", "text"},
+    {"layers"},
+    {"conversion"},
+    {"hf", "models"},
+    {"training"},
+    {"evaluation"},
+    {"api", "checkpoint_info", "recipes"},
+    {"bench", "cli", "__init__", "__main__"},
+]
+WITHOUT_TRANSFORMERS = {"errors", "progress", "option_files", "tt", "text", "layers", "conversion"}
+
+
+def part_of(module: str) -> str:
+    """The top-level part of a dotted module name: comera_convert.hf.saving -> hf."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = ["comera_convert", *path.relative_to(root).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path, root: Path = ROOT) -> set[str]:
+    """Every module this file imports (absolute names), top-level or inside functions."""
+    name = module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found.add(target)
+            found.update(f"{target}.{alias.name}" for alias in node.names)  # `from . import api`
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found
+
+
+def is_module(dotted: str, root: Path = ROOT) -> bool:
+    path = root.parent.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def part_graph(root: Path = ROOT) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """(part -> parts it imports, part -> its files that import transformers)."""
+    graph, transformers_users = defaultdict(set), defaultdict(set)
+    for path in root.rglob("*.py"):
+        source = part_of(module_name(path, root))
+        for target in imports(path, root):
+            if target.split(".")[0] == "transformers":
+                transformers_users[source].add(str(path.relative_to(root)))
+            elif target.startswith("comera_convert") and is_module(target, root) and part_of(target) != source:
+                graph[source].add(part_of(target))
+    return graph, transformers_users
+
+
+def layer_of(part: str) -> int:
+    return next(i for i, layer in enumerate(LAYERS) if part in layer)
+
+
+def test_every_part_has_a_layer():
+    parts = {part_of(module_name(p)) for p in ROOT.rglob("*.py")}
+    assert parts <= set().union(*LAYERS), f"parts without a layer: {parts - set().union(*LAYERS)}"
+
+
+def test_imports_only_look_down():
+    graph, _ = part_graph()
+    upward = sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets if layer_of(b) > layer_of(a))
+    assert not upward, f"upward imports: {upward}"
+
+
+def test_no_import_cycle_between_parts():
+    graph, _ = part_graph()
+    cycles = sorted(f"{a} <-> {b}" for a, targets in graph.items() for b in targets if a in graph.get(b, ()))
+    assert not cycles, f"parts importing each other: {cycles}"
+
+
+def test_nothing_below_hf_imports_transformers():
+    _, users = part_graph()
+    offenders = {part: files for part, files in users.items() if part in WITHOUT_TRANSFORMERS}
+    assert not offenders, f"transformers imported below hf/: {offenders}"
+
+
+def test_the_checker_sees_an_upward_import(tmp_path):
+    """The checks can fail: a conversion module importing hf is found."""
+    fake = tmp_path / "comera_convert"
+    (fake / "conversion").mkdir(parents=True)
+    (fake / "hf").mkdir()
+    for folder in (fake, fake / "conversion", fake / "hf"):
+        (folder / "__init__.py").write_text("")
+    (fake / "hf" / "saving.py").write_text("")
+    (fake / "conversion" / "bad.py").write_text("from ..hf.saving import x\nimport transformers\n")
+    graph, users = part_graph(fake)
+    assert graph["conversion"] == {"hf"} and layer_of("hf") > layer_of("conversion")
+    assert users["conversion"] == {"conversion/bad.py"}

@@ -1,0 +1,102 @@
+"""One test per place comera_convert reaches into transformers' internals (hf/compat.py, numbered
+there): a transformers release that moves one fails here, by name."""
+
+import inspect
+
+import torch
+import transformers as tf
+from transformers.quantizers import HfQuantizer
+
+import comera_convert
+from comera_convert.hf import compat
+from comera_convert.hf.quantizer import ComeraQuantizer
+from comera_convert.layers import TiedTTHead
+from comera_convert.training.trainer import ComeraTrainer
+
+from .tiny_models import build, outputs
+
+
+def saved(case, tmp_path):
+    model = build(case)
+    comera_convert.convert(model, ratio=3)
+    model.save_pretrained(tmp_path / case)
+    return model, tmp_path / case
+
+
+def test_1_tied_weight_keys_of_converted_heads_are_dropped():
+    model = build("gpt2-clm")
+    assert "lm_head.weight" in model.all_tied_weights_keys  # what transformers ties on its own
+    comera_convert.convert(model, ratio=3)
+    assert isinstance(model.lm_head, TiedTTHead)
+    assert "lm_head.weight" not in model.all_tied_weights_keys
+
+
+def test_2_bias_adjustment_leaves_tied_heads_alone(tmp_path, monkeypatch):
+    assert hasattr(tf.PreTrainedModel, "_adjust_bias")
+    _, path = saved("bert-mlm", tmp_path)
+    loaded = tf.AutoModelForMaskedLM.from_pretrained(path)
+    head = loaded.cls.predictions.decoder
+    assert isinstance(head, TiedTTHead) and "_adjust_bias" in loaded.__dict__
+    monkeypatch.setattr(TiedTTHead, "dense_weight", lambda self: (_ for _ in ()).throw(AssertionError("built")))
+    loaded._adjust_bias(head, loaded.get_input_embeddings())  # would build the table through .weight
+
+
+def test_3_converted_models_are_marked_as_transformers_marks_quantized_ones(tmp_path):
+    model = build("bert-mlm")
+    comera_convert.convert(model, ratio=3)
+    assert model.is_quantized and isinstance(model.hf_quantizer, ComeraQuantizer)
+    assert model.quantization_method == "comera" and model.hf_quantizer.is_trainable
+    # transformers' Trainer reads the marks and refuses quantized models that cannot train: not ours.
+    args = tf.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    tf.Trainer(model=model, args=args)
+    model.hf_quantizer = type("Frozen", (ComeraQuantizer,), {"is_trainable": property(lambda self: False)})(
+        model.hf_quantizer.quantization_config, pre_quantized=True)
+    try:
+        tf.Trainer(model=model, args=args)
+    except ValueError as err:
+        assert "quantized" in str(err).lower()
+    else:
+        raise AssertionError("transformers no longer checks hf_quantizer.is_trainable")
+
+
+def test_4_decompression_restores_transformers_tying():
+    assert hasattr(tf.PreTrainedModel, "get_expanded_tied_weights_keys")
+    model = build("gpt2-clm")
+    comera_convert.convert(model, ratio=3)
+    comera_convert.decompress_model(model)
+    assert "lm_head.weight" in model.all_tied_weights_keys and not model.is_quantized
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_5_save_pretrained_is_replaced_on_the_instance_only(tmp_path):
+    model = build("bert")
+    comera_convert.convert(model, ratio=3)
+    assert "save_pretrained" in model.__dict__
+    assert tf.BertModel.save_pretrained is tf.PreTrainedModel.save_pretrained  # the class is untouched
+    model.save_pretrained(tmp_path / "out")
+    assert (tmp_path / "out" / "comera_report.json").is_file()
+
+
+def test_6_a_config_hook_that_clears_the_guard_is_called_on_load(tmp_path, monkeypatch):
+    assert any(hasattr(HfQuantizer, hook) for hook in compat.CONFIG_HOOKS)
+    model, path = saved("bert", tmp_path)
+    calls = []
+    real = ComeraQuantizer._past_the_guard
+    monkeypatch.setattr(ComeraQuantizer, "_past_the_guard", staticmethod(lambda c: calls.append(1) or real(c)))
+    loaded = tf.AutoModel.from_pretrained(path)
+    assert calls and torch.equal(outputs(loaded.eval()), outputs(model.eval()))
+
+
+def test_7_the_quantization_method_is_registered():
+    from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
+
+    assert AUTO_QUANTIZER_MAPPING["comera"] is ComeraQuantizer
+    assert AUTO_QUANTIZATION_CONFIG_MAPPING["comera"].__name__ == "ComeraConfig"
+
+
+def test_8_trainer_hooks_keep_the_signatures_comera_overrides():
+    for name in compat.TRAINER_HOOKS:
+        theirs = list(inspect.signature(getattr(tf.Trainer, name)).parameters)
+        ours = list(inspect.signature(getattr(ComeraTrainer, name)).parameters)
+        assert theirs == ours, f"Trainer.{name}{theirs} vs ComeraTrainer.{name}{ours}"
+        assert getattr(ComeraTrainer, name) is not getattr(tf.Trainer, name)
