@@ -15,7 +15,6 @@ from comera_convert.errors import ConfigError, ShapeError
 from comera_convert.tt import TTSpec, cores_to_matrix
 from comera_convert.tt.decompose import matrix_to_cores
 from comera_convert.tt.als import _CoreMap, als_refine
-from comera_convert.tt.decompose import padded
 from comera_convert.tt.weighted import (input_factor, mode_weights, scaled_ttm_cores, whitened_tt_cores,
                                         whitened_ttm_cores)
 

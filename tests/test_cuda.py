@@ -52,7 +52,7 @@ def test_bf16_autocast_tracks_the_fp32_layer():
 def test_compiled_layer_matches_eager():
     torch.manual_seed(0)
     layer = TTLinear.from_linear(nn.Linear(128, 384), rank=12, layout="ttm", gates=True).cuda()
-    embedding = TTEmbedding.from_embedding(nn.Embedding(1000, 128), rank=12).cuda()
+    embedding = TTEmbedding.from_embedding(nn.Embedding(1000, 128), rank=12, layout="ttm").cuda()
     ids = torch.randint(0, 1000, (8, 16), device="cuda")
     eager = layer(embedding(ids))
     compiled = torch.compile(lambda i: layer(embedding(i)))

@@ -30,7 +30,7 @@ def gradients(tensors):
 @pytest.mark.parametrize("vocab,dim,padded", [(1009, 50, True), (1000, 48, False)])
 def test_logits_and_every_gradient_match_the_dense_table(reordered, slab_rows, tokens, vocab, dim, padded):
     torch.manual_seed(0)
-    embedding = TTEmbedding(vocab, dim, rank=6, reordered=reordered)
+    embedding = TTEmbedding(vocab, dim, rank=6, reordered=reordered, layout="ttm")
     if reordered:
         embedding.row_of_token.copy_(torch.randperm(vocab).int())
     spec = embedding.spec
@@ -55,7 +55,7 @@ def test_logits_and_every_gradient_match_the_dense_table(reordered, slab_rows, t
 
 def test_the_tied_head_trains_through_slabs_and_infers_from_the_cached_table():
     torch.manual_seed(0)
-    embedding = TTEmbedding(500, 24, rank=5)
+    embedding = TTEmbedding(500, 24, rank=5, layout="ttm")
     head = TiedTTHead(embedding, bias=torch.nn.Parameter(torch.randn(500)))
     x = torch.randn(3, 24)
     training = head(x)
@@ -71,7 +71,7 @@ def test_the_tied_head_trains_through_slabs_and_infers_from_the_cached_table():
 def test_under_bf16_autocast_it_runs_as_the_dense_linear_would():
     """Autocast runs F.linear in bf16; the slabs run in bf16 too, and gradients come back in fp32."""
     torch.manual_seed(0)
-    embedding = TTEmbedding(1009, 50, rank=6)
+    embedding = TTEmbedding(1009, 50, rank=6, layout="ttm")
     bias = torch.randn(1009, requires_grad=True)
     x = torch.randn(8, 50, requires_grad=True)
     tensors = leaves(embedding, x, bias)

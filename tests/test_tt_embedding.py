@@ -23,7 +23,7 @@ def test_full_rank_lookup_equals_the_dense_table(layout, d, dtype):
 
 def test_badly_factoring_vocab_is_padded_and_sliced():
     dense = nn.Embedding(30522 // 30, 24)  # 1017 = 3^2 * 113
-    tt = TTEmbedding.from_embedding(dense, rank=FULL)
+    tt = TTEmbedding.from_embedding(dense, rank=FULL, layout="ttm")
     assert tt.spec.padded_rows > 1017
     idx = torch.tensor([0, 1, 500, 1016])
     assert rel_err(tt(idx), dense(idx)) < 1e-4
@@ -33,7 +33,7 @@ def test_lookup_computes_only_the_requested_rows():
     """Lookups for a few tokens must not cost as much as building the table."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    tt = TTEmbedding(30522, 768, rank=30)
+    tt = TTEmbedding(30522, 768, rank=30, layout="ttm")
     idx = torch.randint(0, 30522, (2, 16))
     with FlopCounterMode(display=False) as counter:
         tt(idx)
@@ -42,7 +42,7 @@ def test_lookup_computes_only_the_requested_rows():
 
 
 def test_repeated_indices_give_the_same_rows():
-    tt = TTEmbedding(100, 16, rank=4)
+    tt = TTEmbedding(100, 16, rank=4, layout="ttm")
     out = tt(torch.tensor([[3, 7, 3], [7, 7, 3]]))
     assert torch.equal(out[0, 0], out[0, 2]) and torch.equal(out[0, 1], out[1, 0])
 
@@ -51,7 +51,7 @@ def test_padding_idx_gets_no_gradient_but_keeps_its_row():
     dense = nn.Embedding(64, 16, padding_idx=0)
     with torch.no_grad():
         dense.weight[0] = 1.0  # a pretrained padding row need not be zero
-    tt = TTEmbedding.from_embedding(dense, rank=FULL, d=2)
+    tt = TTEmbedding.from_embedding(dense, rank=FULL, d=2, layout="ttm")
     idx = torch.tensor([[0, 5, 0]])
     assert rel_err(tt(idx), dense(idx)) < 1e-4
     tt(torch.tensor([[0, 0]])).sum().backward()
@@ -62,11 +62,11 @@ def test_padding_idx_gets_no_gradient_but_keeps_its_row():
 
 
 def test_negative_padding_idx_is_normalized():
-    assert TTEmbedding(50, 8, padding_idx=-1, rank=2).padding_idx == 49
+    assert TTEmbedding(50, 8, padding_idx=-1, rank=2, layout="ttm").padding_idx == 49
 
 
 def test_gradcheck():
-    tt = TTEmbedding(24, 12, rank=3, d=2, dtype=torch.float64)
+    tt = TTEmbedding(24, 12, rank=3, d=2, dtype=torch.float64, layout="ttm")
     names = [n for n, _ in tt.named_parameters()]
     idx = torch.tensor([[1, 5, 5, 23]])
 
@@ -78,12 +78,12 @@ def test_gradcheck():
 
 
 def test_weight_property_is_the_dense_table():
-    tt = TTEmbedding(40, 8, rank=3, d=2)
+    tt = TTEmbedding(40, 8, rank=3, d=2, layout="ttm")
     assert torch.equal(tt.weight, cores_to_matrix(tt.gated_cores(), tt.spec))
 
 
 def test_prune_keeps_lookups():
-    tt = TTEmbedding.from_embedding(nn.Embedding(64, 32), rank=8, d=2)
+    tt = TTEmbedding.from_embedding(nn.Embedding(64, 32), rank=8, d=2, layout="ttm")
     with torch.no_grad():
         tt.gates[0][3:] = 0
     idx = torch.arange(64)
@@ -95,7 +95,7 @@ def test_prune_keeps_lookups():
 def test_bad_input():
     with pytest.raises(TypeError, match=r"expected an nn.Embedding \(got 'Linear'\)"):
         TTEmbedding.from_embedding(nn.Linear(4, 4))
-    tt = TTEmbedding(40, 8, rank=3, d=2)
+    tt = TTEmbedding(40, 8, rank=3, d=2, layout="ttm")
     with pytest.raises(IndexError, match=r"indices in \[0, 40\)"):
         tt(torch.tensor([3, 40]))
     with pytest.raises(TypeError, match="integer token indices"):
@@ -147,4 +147,4 @@ def test_token_order_must_be_a_permutation():
     dense = nn.Embedding(100, 8)
     for bad in (torch.arange(99), torch.zeros(100, dtype=torch.long), torch.arange(100.0)):
         with pytest.raises(ValueError, match="permutation of the 100 token ids"):
-            TTEmbedding.from_embedding(dense, rank=4, token_order=bad)
+            TTEmbedding.from_embedding(dense, rank=4, token_order=bad, layout="ttm")

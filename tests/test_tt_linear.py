@@ -236,4 +236,3 @@ def test_bf16_autocast_backward_outside_the_autocast_block(layout):
     low = [x.grad] + [p.grad for p in tt.parameters()]
     assert all(g.dtype == torch.float32 for g in low)
     assert all(rel_err(a, b) < 5e-2 for a, b in zip(low, reference))
-

@@ -107,7 +107,7 @@ def embedding_case(device: str, dtype: torch.dtype, quick: bool, repeats: int) -
     ids = torch.randint(0, vocab, (batch, 128), device=device)
     dense = nn.Embedding(vocab, dim, device=device, dtype=dtype)
     # Inference lookups (eval mode, autograd off), as the table in BENCHMARKS.md measures them.
-    tt = TTEmbedding.from_embedding(dense, rank=COMERA_RANK).eval()  # ttm, as CoMERA
+    tt = TTEmbedding.from_embedding(dense, rank=COMERA_RANK, layout="ttm").eval()  # ttm, as CoMERA
     tt_layout = TTEmbedding.from_embedding(dense, rank=COMERA_RANK, layout="tt").eval()  # the converter's default
 
     def naive():  # one chain contraction per token, no sharing: the baseline TT lookup

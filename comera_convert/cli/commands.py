@@ -188,8 +188,8 @@ def evaluate(model, reference, data, texts, seq_len, baselines, json_path):
     out.print(eval_table(model, metrics, out.width))
     out.print(f"worst domain: [bold]{metrics['worst_domain']}[/]")
     for label, domains in metrics.get("baselines", {}).items():
-        out.print(eval_table(f"baseline: {label}", {"reference": metrics["reference"], "domains": domains,
-                                                     "worst_domain": None}, out.width))
+        baseline = {"reference": metrics["reference"], "domains": domains, "worst_domain": None}
+        out.print(eval_table(f"baseline: {label}", baseline, out.width))
     if json_path:
         write_text_atomic(Path(json_path), json.dumps(metrics, indent=2) + "\n")
 

@@ -17,6 +17,7 @@ from ..tt import apply_gates, cores_to_matrix
 from ..tt.counting import num_params
 from ..tt.spec import TTSpec
 
+
 def check_size(name: str, value) -> None:
     """A layer dimension must be a positive int (not a bool, not a float)."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -1,4 +1,5 @@
-"""TTEmbedding: a drop-in for nn.Embedding whose table is a TT matrix (ttm layout by default)."""
+"""TTEmbedding: a drop-in for nn.Embedding whose table is a TT matrix (tt layout by default, as the
+converter's; CoMERA's ttm with ``layout="ttm"``)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ class TTEmbedding(TTModule):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *,
-                 rank=DEFAULT_RANK, layout: str = "ttm", d: int = DEFAULT_ORDER,
+                 rank=DEFAULT_RANK, layout: str = "tt", d: int = DEFAULT_ORDER,
                  row_modes=None, col_modes=None, gates: bool = True, reordered: bool = False,
                  device=None, dtype=None):
         super().__init__()
@@ -53,7 +54,7 @@ class TTEmbedding(TTModule):
         self._random_init(target_std=1.0)  # nn.Embedding draws its table from N(0, 1)
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, rank=DEFAULT_RANK, layout: str = "ttm",
+    def from_embedding(cls, embedding: nn.Embedding, rank=DEFAULT_RANK, layout: str = "tt",
                        row_modes=None, col_modes=None, d: int = DEFAULT_ORDER, gates: bool = True,
                        decompose=matrix_to_cores, token_order: torch.Tensor | None = None) -> "TTEmbedding":
         """A TTEmbedding initialized from a dense table by TTM-SVD (or TT-SVD), same device and dtype.

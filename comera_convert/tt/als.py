@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ShapeError, expected
-from .decompose import compute_dtype
+from .decompose import decomposition_dtype
 from .spec import TTSpec
 
 # One sweep (cores 1..d, then back to 2) of eight CG steps each: on all-MiniLM-L6-v2's linear
@@ -114,7 +114,7 @@ def als_refine(matrix: torch.Tensor, cores: list[torch.Tensor], spec: TTSpec, gr
     if tuple(gram.shape) not in ((shape[0], shape[0]), (shape[0],)):
         raise ShapeError(expected(f"a {shape[0]} x {shape[0]} Gram matrix (or its diagonal)", tuple(gram.shape)))
     dtype = cores[0].dtype
-    work_dtype = compute_dtype(dtype)
+    work_dtype = decomposition_dtype(dtype)
     cores = [c.detach().to(work_dtype) for c in cores]
     matrix, gram = matrix.to(work_dtype), gram.to(work_dtype)
     target = _weigh(gram, matrix)

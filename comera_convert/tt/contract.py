@@ -75,7 +75,7 @@ class ThroughBond(torch.autograd.Function):
         return grad_x, grad_left, grad_right, grad_bias
 
 
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
+def gemm_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype a GEMM on ``x`` runs in: autocast's where it is on (as F.linear would run), else x's."""
     device = x.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
@@ -87,7 +87,7 @@ def through_bond(x: torch.Tensor, left: torch.Tensor, right: torch.Tensor,
     flat = x.reshape(-1, x.shape[-1])
     # Every operand in one dtype before the Function: its backward runs outside autocast, where a
     # float32 x saved beside a bfloat16 gradient could not meet in one GEMM.
-    dtype = compute_dtype(flat)
+    dtype = gemm_dtype(flat)
     flat, left, right = flat.to(dtype), left.to(dtype), right.to(dtype)
     bias = None if bias is None else bias.to(dtype)
     if not flat.is_contiguous():

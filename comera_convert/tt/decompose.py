@@ -14,10 +14,11 @@ from __future__ import annotations
 import torch
 
 from ..errors import ShapeError, expected
+from .contract import merge_left
 from .spec import TTSpec
 
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+def decomposition_dtype(dtype: torch.dtype) -> torch.dtype:
     """Decompositions run in float64 for float64 input and in float32 for everything else."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -69,14 +70,9 @@ def tt_svd(tensor: torch.Tensor, ranks) -> list[torch.Tensor]:
 
 
 def contract_chain(cores: list[torch.Tensor]) -> torch.Tensor:
-    """The full tensor (s_1, ..., s_K) of a chain of 3-way cores (r_{k-1}, s_k, r_k)."""
-    result = cores[0].reshape(cores[0].shape[1], -1)  # r_0 = 1
-    modes = [cores[0].shape[1]]
-    for core in cores[1:]:
-        r, s, r_next = core.shape
-        result = (result @ core.reshape(r, s * r_next)).reshape(-1, r_next)
-        modes.append(s)
-    return result.reshape(modes)
+    """The full tensor (s_1, ..., s_K) of a chain of 3-way cores (r_{k-1}, s_k, r_k): the forward
+    pass's ``merge_left`` over the whole chain (r_K = 1), reshaped to the modes."""
+    return merge_left(cores).reshape([core.shape[1] for core in cores])
 
 
 def check_matrix(matrix: torch.Tensor, spec: TTSpec) -> None:
@@ -116,7 +112,7 @@ def matrix_to_cores(matrix: torch.Tensor, spec: TTSpec) -> list[torch.Tensor]:
     need exact shapes pad with ``pad_cores``.
     """
     check_matrix(matrix, spec)
-    work = padded(matrix.detach().to(compute_dtype(matrix.dtype)), spec)
+    work = padded(matrix.detach().to(decomposition_dtype(matrix.dtype)), spec)
     if spec.layout == "tt":
         cores = tt_svd(work.reshape(spec.bond_modes), spec.ranks)
     else:

@@ -11,14 +11,14 @@ import tensorly as tl
 import torch
 from tensorly.decomposition import tensor_train, tensor_train_matrix
 
-from .decompose import check_matrix, padded, compute_dtype, pad_cores
+from .decompose import check_matrix, padded, decomposition_dtype, pad_cores
 from .spec import TTSpec
 
 
 def tensorly_matrix_to_cores(matrix: torch.Tensor, spec: TTSpec) -> list[torch.Tensor]:
     """Cores of ``spec`` for an R x C matrix, computed by tensorly (PyTorch backend)."""
     check_matrix(matrix, spec)
-    work = padded(matrix.detach().to(compute_dtype(matrix.dtype)), spec)
+    work = padded(matrix.detach().to(decomposition_dtype(matrix.dtype)), spec)
     rank = list(spec.full_ranks)
     with tl.backend_context("pytorch"):
         if spec.layout == "tt":

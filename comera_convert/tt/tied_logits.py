@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .contract import compute_dtype, ttm_halves
+from .contract import gemm_dtype, ttm_halves
 from .spec import TTSpec
 
 # Rows built per slab group on CPU: 2048 x 768 floats is 6 MB. On 2 cores the head's forward and
@@ -134,7 +134,7 @@ def tied_logits(x: torch.Tensor, cores: list[torch.Tensor], spec: TTSpec, bias: 
         slab_rows = CPU_SLAB_ROWS if x.device.type == "cpu" else spec.padded_rows
     a, b = ttm_halves(cores, 1)
     flat = x.reshape(-1, x.shape[-1])
-    dtype = compute_dtype(flat)  # one dtype for every operand, as through_bond
+    dtype = gemm_dtype(flat)  # one dtype for every operand, as through_bond
     flat, a, b = flat.to(dtype).contiguous(), a.to(dtype), b.to(dtype)
     bias = None if bias is None else bias.to(dtype)
     logits = TiedLogits.apply(flat, a, b, bias, row_of_token, spec.rows, slab_rows)
