@@ -180,24 +180,31 @@ def last_checkpoint(directory: Path) -> str | None:
     return get_last_checkpoint(str(directory)) if directory.is_dir() else None
 
 
-def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, overwrite: bool = False,
-          callbacks=(), training_overrides=None, command: str | None = None) -> TrainResult:
-    from transformers.trainer_callback import PrinterCallback
+@dataclass
+class Session:
+    """A training run's model and what it is judged by, once loaded and checked."""
+    path: str
+    objective: str
+    objective_note: str | None
+    options: TrainOptions  # resolved for the objective
+    model: torch.nn.Module
+    tokenizer: object
+    teacher: torch.nn.Module | None
+    controller: RankController
+    encoder: bool  # distilling a sentence encoder: held-out embedding cosines too
 
+
+def open_session(model_name: str, options: TrainOptions) -> Session:
+    """Load the compressed model, its tokenizer and (distilling) its teacher; resolve the objective
+    and the options it implies; set up the rank controller. Every refusal happens here, before data."""
     from ..hf.loading import from_pretrained
-    from ..hf.saving import check_output_dir
 
-    out = Path(out)
-    if not resume:
-        check_output_dir(out, overwrite)
     path = resolve(model_name)
     config = read_config(path)
     quantization = _compression(config, model_name)
-    teacher_source = options.teacher or quantization.get("source")
-    objective, objective_note = pick_objective(options.objective, config, teacher_source)
+    objective, note = pick_objective(options.objective, config, options.teacher or quantization.get("source"))
     encoder = objective == "distill" and resolve_objective("auto", config) == "mlm"
     options = options.for_objective(objective, encoder)
-    dense_params = quantization.get("dense_params")
     model = from_pretrained(path, task=task_for(objective))
     if options.gradient_checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
         raise ConfigError(f"--gradient-checkpointing: {type(model).__name__} does not support activation "
@@ -206,60 +213,110 @@ def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, 
         set_dropout(model, options.dropout)
     tokenizer = load_tokenizer(path, "comera train")
     teacher = _load_teacher(options, quantization, model) if objective == "distill" else None
-    controller = RankController(model, options, dense_params or sum(p.numel() for p in model.parameters()))
-    ratio_before = controller.ratio()
+    dense_params = quantization.get("dense_params") or sum(p.numel() for p in model.parameters())
+    return Session(path, objective, note, options, model, tokenizer, teacher,
+                   RankController(model, options, dense_params), encoder)
 
+
+@dataclass
+class HeldOut:
+    """The held-out blocks and how the model is measured on them: the task loss and, for a
+    distilled encoder, the cosine of its embeddings to the teacher's (computed once)."""
+    session: Session
+    blocks: list
+    collate: BlockCollator
+    targets: torch.Tensor | None = None
+
+    def __post_init__(self):
+        s = self.session
+        if s.encoder and self.blocks:
+            self.targets = held_out_embeddings(s.teacher, self.blocks, s.options.batch_size)
+
+    def measure(self) -> tuple[float, float | None]:
+        s = self.session
+        loss = held_out_loss(s.model, self.blocks, s.objective, self.collate, s.teacher, s.options.batch_size)
+        return loss, held_out_cosine(s.model, self.targets, self.blocks, s.options.batch_size)
+
+
+def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, overwrite: bool = False,
+          callbacks=(), training_overrides=None, command: str | None = None) -> TrainResult:
+    """Continue pre-training the compressed ``model_name`` while CoMERA adapts its ranks; write the
+    result to ``out`` (`comera train`)."""
+    from ..hf.saving import check_output_dir
+
+    out = Path(out)
+    if not resume:
+        check_output_dir(out, overwrite)
+    session = open_session(model_name, options)
+    options = session.options
+    ratio_before = session.controller.ratio()
     drawn = options.steps * options.batch_size * options.gradient_accumulation_steps
-    blocks = pack(options.data, tokenizer, options.seq_len, drawn * READ_AHEAD, options.max_eval_blocks)
-    collate = BlockCollator(objective, tokenizer, options.mlm_probability, options.seed)
-    checkpoints = out / CHECKPOINTS
-    resume_from = last_checkpoint(checkpoints) if resume else None
-    if resume and resume_from is None:
-        raise ConfigError(f"--resume: {checkpoints} holds no checkpoint to resume from")
-
-    args = training_arguments(options, checkpoints, **(training_overrides or {}))
-    if teacher is not None:
-        teacher.to(args.device)
-    before = held_out_loss(model.to(args.device), blocks.held_out, objective, collate, teacher, options.batch_size)
-    encoder = encoder and bool(blocks.held_out)
-    # The frozen teacher's embeddings, once for the figures before and after training.
-    targets = held_out_embeddings(teacher, blocks.held_out, options.batch_size) if encoder else None
-    cosine_before = held_out_cosine(model, targets, blocks.held_out, options.batch_size)
-    dataset = [{"input_ids": block, "index": i}
-               for i, block in enumerate(with_document_starts(blocks, options.document_starts))]
-    trainer = ComeraTrainer(model=model, args=args, train_dataset=dataset, data_collator=collate,
-                            processing_class=tokenizer, comera_options=options, controller=controller,
-                            objective=objective, teacher=teacher, callbacks=list(callbacks))
-    # The caller's callbacks show progress (the CLI's rich bar) and the history JSON keeps every
-    # step, so transformers' printer of raw log dicts stays out of the output.
-    trainer.remove_callback(PrinterCallback)
-    if objective_note:
-        logger.info(objective_note)  # once everything is in place, so that it never precedes an error
+    blocks = pack(options.data, session.tokenizer, options.seq_len, drawn * READ_AHEAD, options.max_eval_blocks)
+    collate = BlockCollator(session.objective, session.tokenizer, options.mlm_probability, options.seed)
+    resume_from = _resume_point(out / CHECKPOINTS, resume)
+    args = training_arguments(options, out / CHECKPOINTS, **(training_overrides or {}))
+    session.model.to(args.device)
+    if session.teacher is not None:
+        session.teacher.to(args.device)
+    held_out = HeldOut(session, blocks.held_out, collate)
+    before = held_out.measure()
+    trainer = _trainer(session, args, blocks, collate, callbacks)
+    if session.objective_note:
+        logger.info(session.objective_note)  # once everything is in place, so that it never precedes an error
     trainer.train(resume_from_checkpoint=resume_from)
-    controller.prune()
-    check_replicas_agree(controller)
-    after = held_out_loss(model, blocks.held_out, objective, collate, teacher, options.batch_size)
-    cosine_after = held_out_cosine(model, targets, blocks.held_out, options.batch_size)
-
-    steps = trainer.state.global_step
-    result = TrainResult(out=out, objective=objective, steps=steps, ratio_before=ratio_before,
-                         ratio_after=controller.ratio(), held_out_before=before, held_out_after=after,
-                         ranks=controller.ranks(), cosine_before=cosine_before, cosine_after=cosine_after,
-                         target_ratio=options.target_ratio, objective_note=objective_note,
-                         shortfall=controller.shortfall(steps))
+    session.controller.prune()
+    check_replicas_agree(session.controller)
+    after = held_out.measure()
+    result = _result(out, session, trainer.state.global_step, ratio_before, before, after)
     if result.shortfall:
         logger.warning(result.shortfall)
     if trainer.is_world_process_zero():
-        record = {"objective": objective, "steps": result.steps,
-                  "held_out_loss_before": before, "held_out_loss_after": after}
-        if options.target_ratio is not None:
-            record.update(target_ratio=options.target_ratio, ratio_reached=result.ratio_after,
-                          target_reached=result.shortfall is None)
-        if encoder:
-            record.update(held_out_cosine_before=cosine_before, held_out_cosine_after=cosine_after)
-        result.report = export(model, trainer.history, out, source=path,
-                               training={**record, "options": options.to_dict()}, command=command)
+        result.report = export(session.model, trainer.history, out, source=session.path,
+                               training=_record(result, options, held_out.targets is not None), command=command)
     return result
+
+
+def _resume_point(checkpoints: Path, resume: bool) -> str | None:
+    resume_from = last_checkpoint(checkpoints) if resume else None
+    if resume and resume_from is None:
+        raise ConfigError(f"--resume: {checkpoints} holds no checkpoint to resume from")
+    return resume_from
+
+
+def _trainer(session: Session, args, blocks: Blocks, collate, callbacks) -> ComeraTrainer:
+    from transformers.trainer_callback import PrinterCallback
+
+    dataset = [{"input_ids": block, "index": i}
+               for i, block in enumerate(with_document_starts(blocks, session.options.document_starts))]
+    trainer = ComeraTrainer(model=session.model, args=args, train_dataset=dataset, data_collator=collate,
+                            processing_class=session.tokenizer, comera_options=session.options,
+                            controller=session.controller, objective=session.objective, teacher=session.teacher,
+                            callbacks=list(callbacks))
+    # The caller's callbacks show progress (the CLI's rich bar) and the history JSON keeps every
+    # step, so transformers' printer of raw log dicts stays out of the output.
+    trainer.remove_callback(PrinterCallback)
+    return trainer
+
+
+def _result(out: Path, session: Session, steps: int, ratio_before: float, before, after) -> TrainResult:
+    controller = session.controller
+    return TrainResult(out=out, objective=session.objective, steps=steps, ratio_before=ratio_before,
+                       ratio_after=controller.ratio(), held_out_before=before[0], held_out_after=after[0],
+                       ranks=controller.ranks(), cosine_before=before[1], cosine_after=after[1],
+                       target_ratio=session.options.target_ratio, objective_note=session.objective_note,
+                       shortfall=controller.shortfall(steps))
+
+
+def _record(result: TrainResult, options: TrainOptions, cosines: bool) -> dict:
+    """What the report keeps of the run."""
+    record = {"objective": result.objective, "steps": result.steps,
+              "held_out_loss_before": result.held_out_before, "held_out_loss_after": result.held_out_after}
+    if options.target_ratio is not None:
+        record.update(target_ratio=options.target_ratio, ratio_reached=result.ratio_after,
+                      target_reached=result.shortfall is None)
+    if cosines:
+        record.update(held_out_cosine_before=result.cosine_before, held_out_cosine_after=result.cosine_after)
+    return {**record, "options": options.to_dict()}
 
 
 def with_document_starts(blocks: Blocks, share: float) -> list[torch.Tensor]:
