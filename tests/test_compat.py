@@ -100,3 +100,17 @@ def test_8_trainer_hooks_keep_the_signatures_comera_overrides():
         ours = list(inspect.signature(getattr(ComeraTrainer, name)).parameters)
         assert theirs == ours, f"Trainer.{name}{theirs} vs ComeraTrainer.{name}{ours}"
         assert getattr(ComeraTrainer, name) is not getattr(tf.Trainer, name)
+
+
+def test_the_declared_range_is_the_packages_and_admits_this_transformers():
+    from pathlib import Path
+
+    import pytest
+    from packaging.specifiers import SpecifierSet
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    declared = next(d for d in pyproject["project"]["dependencies"] if d.startswith("transformers"))
+    assert declared.removeprefix("transformers") == compat.SUPPORTED_TRANSFORMERS
+    assert tf.__version__ in SpecifierSet(compat.SUPPORTED_TRANSFORMERS)

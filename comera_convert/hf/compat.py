@@ -28,7 +28,7 @@ from torch import nn
 
 from ..layers import TiedTTHead, TTModule
 
-SUPPORTED_TRANSFORMERS = ">=5.0,<6"
+SUPPORTED_TRANSFORMERS = ">=5.1,<6"
 TRAINER_HOOKS = ("_save_checkpoint", "_save", "_load_from_checkpoint")
 CONFIG_HOOKS = ("update_attn_implementation", "update_tp_plan", "update_ep_plan")
 
