@@ -48,6 +48,7 @@ def main(full: bool) -> None:
     with tempfile.TemporaryDirectory() as work:
         convert_checkpoint("minilm", f"{work}/minilm-tt4", ConvertOptions(ratio=4))  # plain TT-SVD, seconds
         tokenizer = AutoTokenizer.from_pretrained(f"{work}/minilm-tt4")
+        torch.manual_seed(0)  # the new classification head starts the same every run
         model = AutoModelForSequenceClassification.from_pretrained(f"{work}/minilm-tt4", num_labels=2)
         if not full:
             config = comera_convert.lora_config(r=8, target_modules=["query", "value"],
