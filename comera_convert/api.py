@@ -25,7 +25,7 @@ from .conversion.storage import cast_for_storage
 from .hf.compat import mark_compressed, untie_converted_heads
 from .hf.config import ComeraConfig
 from .hf.loading import decompress_model, from_pretrained
-from .hf.saving import check_output_dir, save_compressed, weight_bytes
+from .hf.saving import check_output_dir, save_compressed, shard_kwargs, weight_bytes
 from .hf.sentence_config import check_modules
 from .models import load_model, resolve
 from .option_files import from_mapping
@@ -76,7 +76,8 @@ class ConversionResult:
 
 def convert_checkpoint(model_name: str, out, options: ConvertOptions | None = None, *, task=None, overwrite=False,
                        progress: Progress | None = None, default_calibration: str | None = None,
-                       command: str | None = None, **overrides) -> ConversionResult:
+                       command: str | None = None, max_shard_size: int | str | None = None,
+                       **overrides) -> ConversionResult:
     """Load ``model_name``, convert it with ``options`` (and ``overrides``, as ``convert`` takes them)
     and write a compressed checkpoint to ``out``.
 
@@ -84,9 +85,11 @@ def convert_checkpoint(model_name: str, out, options: ConvertOptions | None = No
     passes ``english``); a model without a tokenizer then converts by plain TT-SVD, as the
     result's ``notes`` say. Data named in ``options`` needs the tokenizer. ``command``: the command
     line that asked for it, recorded in the report and the model card. ``progress`` hears of each
-    stage (loading, calibrating, each module converted, saving)."""
+    stage (loading, calibrating, each module converted, saving). ``max_shard_size`` splits the
+    weights into shards of at most that size with an index, as ``save_pretrained`` does."""
     progress = progress or no_progress
     options = with_overrides(options, overrides)
+    sharding = shard_kwargs(max_shard_size)
     out = check_output_dir(out, overwrite)  # fail before the slow part
     check_modules(resolve(model_name))  # a sentence-transformers config that could never load
     start = time.perf_counter()
@@ -114,7 +117,7 @@ def convert_checkpoint(model_name: str, out, options: ConvertOptions | None = No
     report.extra.update(lineage(None, command))
     converted = time.perf_counter()
     progress(f"saving {out}")
-    save_compressed(model, out, report=report, source=path, overwrite=overwrite, replace_dir=True)
+    save_compressed(model, out, report=report, source=path, overwrite=overwrite, replace_dir=True, **sharding)
     saved = time.perf_counter()
     timings = {"load": loaded - start, "convert": converted - calibrated, "save": saved - converted}
     if calibration is not None:
@@ -144,21 +147,23 @@ def _calibration(model, path, options: ConvertOptions, tokenizer=None):
                      options.calibration_seq_len, options.targets, options.exclude, options.d)
 
 
-def decompress(model_name: str, out, *, overwrite=False, progress: Progress | None = None) -> Path:
+def decompress(model_name: str, out, *, overwrite=False, progress: Progress | None = None,
+               max_shard_size: int | str | None = None) -> Path:
     """Write an ordinary dense checkpoint of a compressed one (atomically), with every non-weight
     file of it (sentence-transformers modules, tokenizer) and the source's model card."""
-    progress = progress or no_progress
     from .hf.carry import carry_files
     from .hf.model_card import source_card, write_dense_card
     from .hf.saving import atomic_directory
 
+    progress = progress or no_progress
+    sharding = shard_kwargs(max_shard_size)
     out = check_output_dir(out, overwrite)
     path = resolve(model_name)
     progress(f"loading {model_name}")
     model = decompress_model(from_pretrained(path))
     progress(f"saving {out}")
     with atomic_directory(out, replace_dir=True) as tmp:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, **sharding)
         carry_files(path, tmp)
         write_dense_card(tmp, model_name, source_card(path))
     return out

@@ -66,10 +66,12 @@ def _default_out(model: str, ratio, rank) -> str:
               help="Load the model with this head [default: its recorded architecture].")
 @click.option("--out", type=click.Path(), default=None, help="Output directory [default: <model>-tt<ratio>].")
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty output directory.")
+@click.option("--max-shard-size", default=None, metavar="SIZE",
+              help="Split the weights into files of at most SIZE (e.g. 2GB), with an index [default: 50GB].")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of tables.")
 def convert(model, ratio, rank, layout, embedding_layout, d, targets, exclude, no_gates, calibration,
             no_calibration, calibration_sequences, allocation, rank_multiple, dtype, recipe, task, out,
-            overwrite, as_json):
+            overwrite, max_shard_size, as_json):
     """Convert MODEL (directory, hub id or alias such as minilm, bert-base) to a TT checkpoint."""
     from ..recipes import convert_options
     from ..api import convert_checkpoint
@@ -90,7 +92,7 @@ def convert(model, ratio, rank, layout, embedding_layout, d, targets, exclude, n
     with progress_display() as progress:
         result = convert_checkpoint(model, out, options, task=task, overwrite=overwrite, progress=progress,
                                     default_calibration=None if no_calibration else DEFAULT_CALIBRATION,
-                                    command=command_line())
+                                    command=command_line(), max_shard_size=max_shard_size)
     if as_json:
         echo_json({"out": str(result.out), "report": result.report.to_dict(), "disk_bytes": result.disk_bytes,
                    "timings": result.timings, "notes": result.notes})
@@ -147,13 +149,16 @@ def report(models, compare, by_module, as_json):
 @click.argument("model")
 @click.option("--out", type=click.Path(), required=True, help="Directory for the dense checkpoint.")
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty output directory.")
-def decompress(model, out, overwrite):
+@click.option("--max-shard-size", default=None, metavar="SIZE",
+              help="Split the weights into files of at most SIZE (e.g. 2GB), with an index [default: 50GB].")
+def decompress(model, out, overwrite, max_shard_size):
     """Write an ordinary dense checkpoint of a compressed MODEL."""
     from ..api import decompress as decompress_checkpoint
 
     start = time.perf_counter()
     with progress_display() as progress:
-        path = decompress_checkpoint(model, out, overwrite=overwrite, progress=progress)
+        path = decompress_checkpoint(model, out, overwrite=overwrite, progress=progress,
+                                     max_shard_size=max_shard_size)
     console().print(f"[green]wrote[/] dense checkpoint {path} in {time.perf_counter() - start:.1f} s", soft_wrap=True)
 
 

@@ -102,8 +102,10 @@ OPTION_NAMES = ["objective", "data", "steps", "seq_len", "batch_size", "gradient
 @click.option("--out", type=click.Path(), required=True, help="Output directory (checkpoints go in out/checkpoints).")
 @click.option("--resume", is_flag=True, help="Resume from the last checkpoint in OUT/checkpoints.")
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty output directory.")
+@click.option("--max-shard-size", default=None, metavar="SIZE",
+              help="Split the weights into files of at most SIZE (e.g. 2GB), with an index [default: 50GB].")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of tables.")
-def train(model, recipe, out, resume, overwrite, as_json, **values):
+def train(model, recipe, out, resume, overwrite, as_json, max_shard_size, **values):
     """Continue pre-training a compressed MODEL while CoMERA adapts its TT ranks."""
     from ..recipes import train_options
     from ..training import train as run_training
@@ -112,7 +114,8 @@ def train(model, recipe, out, resume, overwrite, as_json, **values):
     show_library_logs()  # what --objective auto picked, the stage switch, a missed target
     tokens = options.batch_size * options.gradient_accumulation_steps * options.seq_len
     result = run_training(model, options, out, resume=resume, overwrite=overwrite,
-                          callbacks=[_rich_progress_callback(options.steps, tokens)], command=command_line())
+                          callbacks=[_rich_progress_callback(options.steps, tokens)], command=command_line(),
+                          max_shard_size=max_shard_size)
     if result.report is None:
         return  # not the main process of a distributed run
     if as_json:

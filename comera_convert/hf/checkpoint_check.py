@@ -28,6 +28,9 @@ def read_header(path: str) -> dict:
             if length > min(MAX_HEADER_BYTES, size - 8):
                 raise ModelLoadError(f"{path} is truncated or corrupted (its header claims {length} bytes)")
             header = json.loads(f.read(length))
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path} is missing: the checkpoint is incomplete (its config or shard index "
+                             f"names this file)") from None
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot read {path}: {err}") from None
     end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)

@@ -19,11 +19,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..errors import ConfigError, expected
 from .config import WEIGHTS_GUARD
 
 REMOTE_MODULE = "comera_remote"
@@ -71,6 +72,24 @@ def _patch_config(directory: Path) -> None:
         config["auto_map"] = {**config.get("auto_map", {}), **auto_map}
         (directory / f"{REMOTE_MODULE}.py").write_text(remote_code(auto_map))
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+SIZE_UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+              "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+
+
+def shard_bytes(size: int | str) -> int:
+    """A shard size (``2GB``, ``500MiB``, ``1000000``) in bytes, refused in one line if it is none."""
+    match = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", str(size))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in SIZE_UNITS or int(match.group(1)) == 0:
+        raise ConfigError(expected("--max-shard-size as a positive size such as 2GB, 500MB or 10GiB", size))
+    return int(match.group(1)) * SIZE_UNITS[unit]
+
+
+def shard_kwargs(max_shard_size: int | str | None) -> dict:
+    """``save_pretrained``'s sharding argument: transformers' own default (50GB) where none is given."""
+    return {} if max_shard_size is None else {"max_shard_size": shard_bytes(max_shard_size)}
 
 
 def weight_bytes(path) -> int:

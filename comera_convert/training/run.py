@@ -239,12 +239,14 @@ class HeldOut:
 
 
 def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, overwrite: bool = False,
-          callbacks=(), training_overrides=None, command: str | None = None) -> TrainResult:
+          callbacks=(), training_overrides=None, command: str | None = None,
+          max_shard_size: int | str | None = None) -> TrainResult:
     """Continue pre-training the compressed ``model_name`` while CoMERA adapts its ranks; write the
     result to ``out`` (`comera train`)."""
-    from ..hf.saving import check_output_dir
+    from ..hf.saving import check_output_dir, shard_kwargs
 
     out = Path(out)
+    shard_kwargs(max_shard_size)  # a size that cannot work fails now, not after training
     if not resume:
         check_output_dir(out, overwrite)
     session = open_session(model_name, options)
@@ -272,7 +274,8 @@ def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, 
         logger.warning(result.shortfall)
     if trainer.is_world_process_zero():
         result.report = export(session.model, trainer.history, out, source=session.path,
-                               training=_record(result, options, held_out.targets is not None), command=command)
+                               training=_record(result, options, held_out.targets is not None), command=command,
+                               max_shard_size=max_shard_size)
     return result
 
 
@@ -328,11 +331,12 @@ def with_document_starts(blocks: Blocks, share: float) -> list[torch.Tensor]:
     return blocks.train + blocks.starts * copies
 
 
-def export(model, history: list[dict], out: Path, source: str, training: dict, command: str | None = None):
+def export(model, history: list[dict], out: Path, source: str, training: dict, command: str | None = None,
+           max_shard_size: int | str | None = None):
     """Write the trained model truncated to its open ranks, its history and its curve, with every
     non-weight file of ``source`` and the lineage of its report; return the report."""
     from ..conversion.report import describe, lineage, read_report
-    from ..hf.saving import save_compressed, write_text_atomic
+    from ..hf.saving import save_compressed, shard_kwargs, write_text_atomic
     from .plot import plot_history
 
     truncated, _ = truncated_copy(model, fold=True)
@@ -342,7 +346,7 @@ def export(model, history: list[dict], out: Path, source: str, training: dict, c
         logger.warning("%s; the new report starts afresh", err)
         previous = None
     report = describe(truncated, extra={**lineage(previous, command), "training": training})
-    save_compressed(truncated, out, report=report, source=source, overwrite=True)
+    save_compressed(truncated, out, report=report, source=source, overwrite=True, **shard_kwargs(max_shard_size))
     write_text_atomic(out / "comera_history.json", json.dumps(history, indent=1))
     plot_history(history, out / "training_curve.png")
     return report
