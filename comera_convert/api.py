@@ -38,17 +38,18 @@ __all__ = ["ConversionResult", "calibrate", "convert", "convert_checkpoint", "de
 
 
 def convert(model: nn.Module, options: ConvertOptions | None = None, *, calibration: Calibration | None = None,
-            source: str | None = None, progress=None, **overrides) -> ConversionReport:
+            source: str | None = None, progress=None, load=None, **overrides) -> ConversionReport:
     """Convert ``model`` in place and return the report; ``model.save_pretrained`` then writes a
     compressed checkpoint.
 
     ``options``: a ConvertOptions (default: ratio 4); ``overrides``: any of its fields (ratio=,
     rank=, layout=, targets=, exclude=, allocation=, ...), validated the same way. ``calibration``:
     the statistics of ``calibrate(model, tokenizer, data)``. ``source``: the dense model's name,
-    recorded for `comera eval` and distillation. ``progress(name, index, count)`` hears of each module.
+    recorded for `comera eval` and distillation. ``progress(name, index, count)`` hears of each module;
+    ``load(name)`` gives a module its weights just before it is decomposed (streaming conversion).
     """
     options = with_overrides(options, overrides)
-    report = convert_modules(model, options, calibration=calibration, progress=progress, source=source)
+    report = convert_modules(model, options, calibration=calibration, progress=progress, source=source, load=load)
     untie_converted_heads(model)
     mark_compressed(model, ComeraConfig(source=source, dense_params=report.params_before))
     return report
@@ -91,11 +92,9 @@ def convert_checkpoint(model_name: str, out, options: ConvertOptions | None = No
     options = with_overrides(options, overrides)
     sharding = shard_kwargs(max_shard_size)
     out = check_output_dir(out, overwrite)  # fail before the slow part
-    check_modules(resolve(model_name))  # a sentence-transformers config that could never load
+    path = resolve(model_name)
+    check_modules(path)  # a sentence-transformers config that could never load
     start = time.perf_counter()
-    progress(f"loading {model_name}")
-    model, path = load_model(model_name, task=task)
-    loaded = time.perf_counter()
     notes, tokenizer = [], None
     if options.calibration is None and default_calibration is not None:
         tokenizer = _tokenizer_or_none(path)
@@ -104,12 +103,23 @@ def convert_checkpoint(model_name: str, out, options: ConvertOptions | None = No
         else:
             notes.append(f"{model_name} has no tokenizer files, so it was converted without calibration "
                          f"(plain TT-SVD); copy its tokenizer in for a data-aware conversion")
+    progress(f"loading {model_name}")
+    streamed = _stream_source(path, options)
+    if streamed is not None:  # plain TT-SVD of a local safetensors checkpoint: layer by layer
+        model = streamed.skeleton(task)
+    else:
+        model, path = load_model(model_name, task=task)
+    loaded = time.perf_counter()
     if options.calibration:
         progress(f"calibrating on {options.calibration}")
     calibration = _calibration(model, path, options, tokenizer) if options.calibration else None
     calibrated = time.perf_counter()
     report = convert(model, options, calibration=calibration, source=model_name,
-                     progress=lambda name, index, total: progress(f"converting {name}", index, total))
+                     progress=lambda name, index, total: progress(f"converting {name}", index, total),
+                     load=streamed.loader(model) if streamed is not None else None)
+    if streamed is not None:
+        streamed.load_the_rest(model)
+        report.extra["streamed"] = True
     if options.dtype is not None:
         cast_for_storage(model, options.dtype)
     report.extra["storage_dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -125,6 +135,16 @@ def convert_checkpoint(model_name: str, out, options: ConvertOptions | None = No
     report.extra["timings"] = timings
     return ConversionResult(out=out, report=report, timings=timings, disk_bytes=weight_bytes(out),
                             notes=notes)
+
+
+def _stream_source(path: str, options: ConvertOptions):
+    """The streaming reader of a local safetensors checkpoint, where a plain (uncalibrated,
+    uniformly allocated) conversion can stream it; None otherwise."""
+    from .hf.streaming import Streamed, streamable
+
+    if options.calibration is not None or options.allocation != "uniform" or not streamable(path):
+        return None
+    return Streamed(path)
 
 
 def _tokenizer_or_none(path: str):

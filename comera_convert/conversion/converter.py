@@ -30,13 +30,16 @@ def count_params(model: nn.Module) -> int:
 
 
 def convert_modules(model: nn.Module, options: ConvertOptions, calibration: Calibration | None = None,
-                    progress: Callable[[str, int, int], None] | None = None, source: str | None = None) -> ConversionReport:
+                    progress: Callable[[str, int, int], None] | None = None, source: str | None = None,
+                    load: Callable[[str], None] | None = None) -> ConversionReport:
     """Swap ``model``'s modules for TT modules in place, as ``options`` say; returns the report.
 
     calibration: ``calibrate(model, tokenizer, data)``'s statistics: each layer's decomposition then
         minimizes its error on those inputs (activation-aware TT-SVD; token-frequency-weighted
         embeddings) instead of its weight error.
     progress: called as progress(module name, index, count) before each module is converted.
+    load: called with a module's name just before it is decomposed, for a model whose weights are
+        not in memory yet (streaming conversion: ``hf/streaming.py``).
 
     Pure torch: what makes the result a transformers model that saves and loads compressed is
     ``comera_convert.convert`` (the public verb), which calls this and then the hf layer.
@@ -58,7 +61,7 @@ def convert_modules(model: nn.Module, options: ConvertOptions, calibration: Cali
         if spec is None:
             skipped[candidate.name] = (f"TT at rank {allocation.shared_rank} would not be smaller"
                                        if allocation.shared_rank else f"kept dense by the {options.allocation} allocation")
-    swap_in(model, candidates, allocation.specs, options, calibration, progress)
+    swap_in(model, candidates, allocation.specs, options, calibration, progress, load)
 
     converted = {c.name for c, s in zip(candidates, allocation.specs) if s is not None}
     for head in tied:
@@ -91,7 +94,8 @@ def _allocate(model, candidates, params_before, options, choice, calibration, pr
 
 
 def swap_in(model: nn.Module, candidates, specs, options: ConvertOptions, calibration: Calibration | None = None,
-            progress: Callable[[str, int, int], None] | None = None) -> None:
+            progress: Callable[[str, int, int], None] | None = None,
+            load: Callable[[str], None] | None = None) -> None:
     """Replace each candidate that has a spec by its TT module, decomposed from its weights (by the
     calibration's weighted decomposition when there is one); a None spec leaves it dense."""
     for index, (candidate, spec) in enumerate(zip(candidates, specs)):
@@ -99,6 +103,8 @@ def swap_in(model: nn.Module, candidates, specs, options: ConvertOptions, calibr
             continue
         if progress is not None:
             progress(candidate.name, index, len(candidates))
+        if load is not None:
+            load(candidate.name)
         kwargs = dict(rank=spec.ranks, layout=spec.layout, d=options.d, gates=options.gates)
         decompose = calibration and weighted_decomposer(candidate, calibration, spec.layout)
         if decompose:
@@ -113,3 +119,5 @@ def swap_in(model: nn.Module, candidates, specs, options: ConvertOptions, calibr
             if calibration is not None:
                 correct_bias(new, dense_weight_of(candidate.module)[0], candidate.name, calibration)
         model.set_submodule(candidate.name, new)
+        if load is not None:  # streaming: the dense weight read for this layer is not needed again
+            candidate.module.to("meta")

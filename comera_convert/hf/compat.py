@@ -62,6 +62,14 @@ def _adjust_bias_except_tied_heads(model, output_embeddings, input_embeddings) -
         type(model)._adjust_bias(model, output_embeddings, input_embeddings)
 
 
+def retie_dense_heads(model: nn.Module) -> None:
+    """Share each tied parameter that stayed dense with its source again (touch 1): after a streaming
+    conversion gave the source its stored value, the head still held the meta placeholder."""
+    for target, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+        module_name, _, param_name = target.rpartition(".")
+        setattr(model.get_submodule(module_name), param_name, model.get_parameter(source))
+
+
 # 3, 5 --------------------------------------------------------------------------------------------
 def mark_compressed(model: nn.Module, quantization_config) -> None:
     """Make a converted model look and save like a loaded compressed model: its config records the

@@ -1,0 +1,155 @@
+"""Streaming conversion: a model converted without ever holding its dense weights all at once.
+
+The skeleton is built on the meta device (parameters without storage; buffers real, since many are
+computed at construction, such as rotary frequencies), the conversion is planned on it as usual,
+and each layer's dense weight is read from the source's safetensors files (memory-mapped, tensor by
+tensor) just before that layer is decomposed, then dropped. What stays in memory is the compressed
+model: its TT cores and the dense tensors it keeps. Plain TT-SVD only: calibration needs the dense
+model's activations, so a calibrated conversion loads the whole model (``convert_checkpoint`` says so).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import ModelLoadError
+from .checkpoint_check import read_header
+from .compat import retie_dense_heads
+
+INDEX_FILE = "model.safetensors.index.json"
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                      "U8": torch.uint8, "BOOL": torch.bool}
+SINGLE_FILE = "model.safetensors"
+
+
+class SafetensorsSource:
+    """A checkpoint's tensors by name, read one at a time from its safetensors file(s) by the
+    offsets in their headers."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        self.entries = {}  # tensor name -> (file, data start, dtype, shape, byte range)
+        for file in self._weight_files():
+            header = read_header(str(file))  # a truncated or corrupted shard fails here, in one line
+            start = 8 + int.from_bytes(file.open("rb").read(8), "little")
+            for name, entry in header.items():
+                if name != "__metadata__":
+                    self.entries[name] = (file, start, entry)
+
+    def _weight_files(self) -> list[Path]:
+        index = self.directory / INDEX_FILE
+        if index.is_file():
+            try:
+                names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (ValueError, KeyError, AttributeError) as err:
+                raise ModelLoadError(f"{index} is not a shard index ({err})") from None
+            missing = [n for n in names if not (self.directory / n).is_file()]
+            if missing:
+                raise ModelLoadError(f"{index} names {', '.join(missing)}, which {self.directory} does not have: "
+                                     f"the checkpoint is incomplete")
+            return [self.directory / n for n in names]
+        if (self.directory / SINGLE_FILE).is_file():
+            return [self.directory / SINGLE_FILE]
+        raise ModelLoadError(f"{self.directory} has no safetensors weights to stream")
+
+    def tensor(self, name: str, prefix: str = "") -> torch.Tensor:
+        """The stored tensor of a parameter name, across the base-model prefix (``bert.`` or not), read
+        into memory of its own (not a mapping of the file: mapped pages would count as the process's
+        memory until the file is closed, the whole checkpoint by the end)."""
+        for key in (name, f"{prefix}.{name}", name.removeprefix(prefix + ".")) if prefix else (name,):
+            if key in self.entries:
+                return self._read(*self.entries[key])
+        raise ModelLoadError(f"the checkpoint in {self.directory} does not store {name}")
+
+    @staticmethod
+    def _read(file: Path, start: int, entry: dict) -> torch.Tensor:
+        begin, end = entry["data_offsets"]
+        raw = torch.empty(end - begin, dtype=torch.uint8)
+        with file.open("rb") as handle:
+            handle.seek(start + begin)
+            handle.readinto(memoryview(raw.numpy()))
+        dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise ModelLoadError(f"{file}: tensors of dtype {entry['dtype']} cannot be streamed")
+        return raw.view(dtype).reshape(entry["shape"])
+
+    def has(self, name: str, prefix: str = "") -> bool:
+        return any(k in self.entries for k in (name, f"{prefix}.{name}", name.removeprefix(prefix + ".")))
+
+
+def meta_skeleton(cls, config, dtype: torch.dtype) -> nn.Module:
+    """The model's modules with parameters on the meta device and real buffers."""
+    from accelerate import init_empty_weights
+
+    build = getattr(cls, "_from_config", None) or cls.from_config  # a model class, or an Auto class
+    with init_empty_weights(include_buffers=False):
+        model = build(config, dtype=dtype)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # a tied head shares its embedding's (meta) parameter, as once loaded
+    return model.eval()
+
+
+def load_module(model: nn.Module, name: str, source: SafetensorsSource) -> None:
+    """Give module ``name``'s own parameters their stored values (it was on the meta device)."""
+    module = model.get_submodule(name)
+    prefix = getattr(model, "base_model_prefix", "")
+    for param_name, param in list(module.named_parameters(recurse=False)):
+        if param.is_meta:
+            value = source.tensor(f"{name}.{param_name}", prefix).to(param.dtype)
+            setattr(module, param_name, nn.Parameter(value, requires_grad=param.requires_grad))
+
+
+def load_the_rest(model: nn.Module, source: SafetensorsSource) -> None:
+    """Every parameter still on the meta device (layers left dense, norms, biases) gets its stored
+    value; a tied output layer is tied again to its (now real) input embedding."""
+    prefix = getattr(model, "base_model_prefix", "")
+    tied = set((getattr(model, "all_tied_weights_keys", None) or {}).keys())
+    for name, module in model.named_modules():
+        for param_name, param in list(module.named_parameters(recurse=False)):
+            full = f"{name}.{param_name}" if name else param_name
+            if not param.is_meta:
+                continue
+            if full in tied and not source.has(full, prefix):
+                continue  # tied to another parameter: tie_weights() below
+            value = source.tensor(full, prefix).to(param.dtype)
+            setattr(module, param_name, nn.Parameter(value, requires_grad=param.requires_grad))
+    retie_dense_heads(model)
+    still_meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if still_meta:
+        raise ModelLoadError(f"the checkpoint stores no value for {', '.join(still_meta[:3])}"
+                             + (f" and {len(still_meta) - 3} more" if len(still_meta) > 3 else ""))
+
+
+def streamable(path: str) -> bool:
+    """A local checkpoint folder with safetensors weights (a single file or an index)."""
+    folder = Path(path)
+    return folder.is_dir() and ((folder / INDEX_FILE).is_file() or (folder / SINGLE_FILE).is_file())
+
+
+class Streamed:
+    """One streaming conversion: the source's tensors, the skeleton, the per-layer loader."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.source = SafetensorsSource(path)
+
+    def skeleton(self, task: str | None = None) -> nn.Module:
+        from transformers import AutoConfig
+
+        from ..models import auto_class_for, read_config
+
+        config = AutoConfig.from_pretrained(self.path)
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        return meta_skeleton(auto_class_for(read_config(self.path), task), config, dtype)
+
+    def loader(self, model: nn.Module):
+        return lambda name: load_module(model, name, self.source)
+
+    def load_the_rest(self, model: nn.Module) -> None:
+        load_the_rest(model, self.source)

@@ -1,0 +1,66 @@
+"""Peak memory and time of `comera convert` on a generated Llama-shaped checkpoint, against
+transformers' own load + save of it: each in a fresh process, peak resident memory (VmHWM) as GNU
+time reports it.
+
+    python examples/bench_stream_convert.py [--size 1.1b|125m] [--work DIR]
+
+1.1b is TinyLlama's shape (hidden 2048, intermediate 5632, 22 layers, 32 heads, 4 KV heads,
+vocabulary 32000), random weights in bfloat16: a 2.2 GB model.safetensors.
+"""
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+SHAPES = {
+    "1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                 num_key_value_heads=4, vocab_size=32000),
+    "125m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                 num_key_value_heads=4, vocab_size=32000),
+}
+LOAD_SAVE = ("import sys, torch; from transformers import AutoModelForCausalLM; "
+             "AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16).save_pretrained(sys.argv[2])")
+
+
+def generate(folder: Path, size: str) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if (folder / "config.json").is_file():
+        return
+    torch.manual_seed(0)
+    config = LlamaConfig(max_position_embeddings=2048, tie_word_embeddings=False, **SHAPES[size])
+    torch.set_default_dtype(torch.bfloat16)
+    LlamaForCausalLM(config).save_pretrained(folder)
+
+
+def timed(command: list[str]) -> tuple[float, float]:
+    """(seconds, peak resident GB) of a command in a fresh process."""
+    done = subprocess.run(["/usr/bin/time", "-f", "%e %M", *command], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(done.stderr[-2000:])
+    seconds, kilobytes = done.stderr.strip().splitlines()[-1].split()
+    return float(seconds), int(kilobytes) / 1024 ** 2
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--size", choices=SHAPES, default="1.1b")
+    parser.add_argument("--work", type=Path, default=Path("bench-stream"))
+    args = parser.parse_args()
+    source = args.work / f"llama-{args.size}"
+    generate(source, args.size)
+    checkpoint_gb = sum(f.stat().st_size for f in source.glob("*.safetensors")) / 1024 ** 3
+    base_s, base_gb = timed([sys.executable, "-c", LOAD_SAVE, str(source), str(args.work / "resaved")])
+    conv_s, conv_gb = timed([sys.executable, "-m", "comera_convert", "--quiet", "convert", str(source), "--ratio", "4",
+                             "--no-calibration", "--out", str(args.work / "tt4"), "--overwrite"])
+    out_gb = sum(f.stat().st_size for f in (args.work / "tt4").glob("*.safetensors")) / 1024 ** 3
+    print(f"{args.size}: checkpoint {checkpoint_gb:.2f} GB")
+    print(f"transformers load + save: {base_s:.1f} s, peak {base_gb:.2f} GB ({base_gb / checkpoint_gb:.2f}x)")
+    print(f"comera convert --ratio 4 --no-calibration: {conv_s:.1f} s ({conv_s / base_s:.1f}x), peak {conv_gb:.2f} GB "
+          f"({conv_gb / checkpoint_gb:.2f}x the checkpoint), output {out_gb:.2f} GB")
+
+
+if __name__ == "__main__":
+    main()
