@@ -31,6 +31,18 @@ def test_1_tied_weight_keys_of_converted_heads_are_dropped():
     assert "lm_head.weight" not in model.all_tied_weights_keys
 
 
+def test_1_dense_tied_heads_are_tied_again_after_streaming_loads_their_embedding(tmp_path):
+    from comera_convert.hf import streaming
+
+    build("gpt2-clm").save_pretrained(tmp_path / "dense")
+    loader = streaming.Streamed(str(tmp_path / "dense"))
+    model = loader.skeleton()
+    assert model.lm_head.weight is model.transformer.wte.weight and model.lm_head.weight.is_meta
+    loader.load_the_rest(model)  # nothing converted: every tensor read, the head tied again
+    assert model.lm_head.weight is model.transformer.wte.weight and not model.lm_head.weight.is_meta
+    assert torch.equal(outputs(model.eval()), outputs(build("gpt2-clm")))
+
+
 def test_2_bias_adjustment_leaves_tied_heads_alone(tmp_path, monkeypatch):
     assert hasattr(tf.PreTrainedModel, "_adjust_bias")
     _, path = saved("bert-mlm", tmp_path)

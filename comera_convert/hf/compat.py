@@ -7,7 +7,8 @@ conversion. The supported range is declared in pyproject.toml (``SUPPORTED_TRANS
 ``tools/test_transformers_range.sh`` runs the integration tests on its lowest and newest releases.
 
 Touch points:
-  1. ``PreTrainedModel.all_tied_weights_keys``: the tying entries of converted modules are dropped.
+  1. ``PreTrainedModel.all_tied_weights_keys``: the tying entries of converted modules are dropped
+     (and, streaming, the dense ones re-tied after loading).
   2. ``PreTrainedModel._adjust_bias``: patched on the instance so tying leaves a TiedTTHead alone.
   3. ``model.hf_quantizer`` / ``is_quantized`` / ``quantization_method``: set on converted models
      (as transformers sets them on loaded quantized ones) and removed on decompression.
