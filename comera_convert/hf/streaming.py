@@ -25,6 +25,7 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
                       "U8": torch.uint8, "BOOL": torch.bool}
 SINGLE_FILE = "model.safetensors"
+GENERATION_FILE = "generation_config.json"
 
 
 class SafetensorsSource:
@@ -146,7 +147,12 @@ class Streamed:
         config = AutoConfig.from_pretrained(self.path)
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        return meta_skeleton(auto_class_for(read_config(self.path), task), config, dtype)
+        model = meta_skeleton(auto_class_for(read_config(self.path), task), config, dtype)
+        if (Path(self.path) / GENERATION_FILE).is_file() and getattr(model, "generation_config", None) is not None:
+            from transformers import GenerationConfig
+
+            model.generation_config = GenerationConfig.from_pretrained(self.path)  # as from_pretrained reads it
+        return model
 
     def loader(self, model: nn.Module):
         return lambda name: load_module(model, name, self.source)
