@@ -105,9 +105,13 @@ def convert_checkpoint(model_name: str, out, options: ConvertOptions | None = No
                          f"(plain TT-SVD); copy its tokenizer in for a data-aware conversion")
     progress(f"loading {model_name}")
     streamed = _stream_source(path, options)
-    if streamed is not None:  # plain TT-SVD of a local safetensors checkpoint: layer by layer
-        model = streamed.skeleton(task)
-    else:
+    model = streamed.skeleton(task) if streamed is not None else None  # plain TT-SVD: layer by layer
+    unstored = streamed.missing(model) if streamed is not None else []
+    if unstored:
+        notes.append(f"{model_name} stores {unstored[0]} (and {len(unstored) - 1} more) under other names, "
+                     f"which transformers converts on load: it was loaded whole instead of streamed")
+        streamed = None
+    if streamed is None:
         model, path = load_model(model_name, task=task)
     loaded = time.perf_counter()
     if options.calibration:

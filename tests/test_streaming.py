@@ -80,3 +80,21 @@ def test_a_missing_or_truncated_shard_is_refused_in_one_line(tmp_path):
     index = json.loads((tmp_path / "dense" / "model.safetensors.index.json").read_text())
     assert shards[0].name in index["weight_map"].values()
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_checkpoint_with_renamed_tensors_is_loaded_whole_and_says_so(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    dense = build("bert")
+    dense.save_pretrained(tmp_path / "dense")
+    stored = load_file(tmp_path / "dense" / "model.safetensors")
+    renamed = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+               for k, v in stored.items()}  # older checkpoints' names, which transformers maps on load
+    save_file(renamed, tmp_path / "dense" / "model.safetensors", metadata={"format": "pt"})
+    result = convert_checkpoint(str(tmp_path / "dense"), tmp_path / "tt", ConvertOptions(ratio=2))
+    assert "streamed" not in result.report.extra
+    assert any("under other names" in note and "loaded whole" in note for note in result.notes)
+    reference = build("bert")
+    comera_convert.convert(reference, ratio=2)
+    loaded = tf.AutoModel.from_pretrained(tmp_path / "tt").eval()
+    assert torch.allclose(outputs(loaded), outputs(reference.eval()), atol=1e-5)

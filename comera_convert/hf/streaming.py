@@ -154,6 +154,15 @@ class Streamed:
             model.generation_config = GenerationConfig.from_pretrained(self.path)  # as from_pretrained reads it
         return model
 
+    def missing(self, model: nn.Module) -> list[str]:
+        """Parameters of the skeleton the files do not store under the same name (a checkpoint whose
+        names transformers converts on load, such as ``gamma`` for ``weight``): such a model is
+        loaded whole instead."""
+        prefix = getattr(model, "base_model_prefix", "")
+        tied = set((getattr(model, "all_tied_weights_keys", None) or {}).keys())
+        return [name for name, _ in model.named_parameters(remove_duplicate=False)
+                if name not in tied and not self.source.has(name, prefix)]
+
     def loader(self, model: nn.Module):
         return lambda name: load_module(model, name, self.source)
 
