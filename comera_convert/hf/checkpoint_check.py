@@ -18,6 +18,11 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit on the JSON heade
 
 def read_header(path: str) -> dict:
     """The safetensors header of ``path``: {name: {"dtype", "shape", "data_offsets"}, "__metadata__"}."""
+    return read_header_and_start(path)[0]
+
+
+def read_header_and_start(path: str) -> tuple[dict, int]:
+    """The header of ``path`` and the byte where its tensor data starts (data_offsets count from there)."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -36,7 +41,7 @@ def read_header(path: str) -> dict:
     end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     if 8 + length + end > size:
         raise ModelLoadError(f"{path} is truncated: its tensors need {8 + length + end} bytes, the file has {size}")
-    return header
+    return header, 8 + length
 
 
 def stored_shapes(checkpoint_files) -> dict[str, tuple[int, ...]]:
@@ -47,7 +52,7 @@ def stored_shapes(checkpoint_files) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _aliases(key: str, prefix: str) -> list[str]:
+def aliases(key: str, prefix: str) -> list[str]:
     """A key as a head model stores it and as its base model does (``bert.`` prefix or not)."""
     if not prefix:
         return [key]
@@ -65,7 +70,7 @@ def check_tensors_match(model, checkpoint_files) -> None:
     for key, shape in tensor_shapes(model).items():
         if not any(key.startswith(p) for p in prefixes):
             continue
-        found = next((stored[k] for k in _aliases(key, prefix) if k in stored), None)
+        found = next((stored[k] for k in aliases(key, prefix) if k in stored), None)
         if found is None:
             raise ModelLoadError(f"the checkpoint records {key} but does not store it: the file is incomplete")
         if found != shape:

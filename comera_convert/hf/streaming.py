@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..errors import ModelLoadError
-from .checkpoint_check import read_header
+from .checkpoint_check import aliases, read_header_and_start
 from .compat import retie_dense_heads
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -34,10 +34,10 @@ class SafetensorsSource:
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
-        self.entries = {}  # tensor name -> (file, data start, dtype, shape, byte range)
+        self.entries = {}  # tensor name -> (file, where its data starts, its header entry)
         for file in self._weight_files():
-            header = read_header(str(file))  # a truncated or corrupted shard fails here, in one line
-            start = 8 + int.from_bytes(file.open("rb").read(8), "little")
+            # A truncated or corrupted shard fails here, in one line.
+            header, start = read_header_and_start(str(file))
             for name, entry in header.items():
                 if name != "__metadata__":
                     self.entries[name] = (file, start, entry)
@@ -62,7 +62,7 @@ class SafetensorsSource:
         """The stored tensor of a parameter name, across the base-model prefix (``bert.`` or not), read
         into memory of its own (not a mapping of the file: mapped pages would count as the process's
         memory until the file is closed, the whole checkpoint by the end)."""
-        for key in (name, f"{prefix}.{name}", name.removeprefix(prefix + ".")) if prefix else (name,):
+        for key in aliases(name, prefix):
             if key in self.entries:
                 return self._read(*self.entries[key])
         raise ModelLoadError(f"the checkpoint in {self.directory} does not store {name}")
@@ -80,7 +80,7 @@ class SafetensorsSource:
         return raw.view(dtype).reshape(entry["shape"])
 
     def has(self, name: str, prefix: str = "") -> bool:
-        return any(k in self.entries for k in (name, f"{prefix}.{name}", name.removeprefix(prefix + ".")))
+        return any(k in self.entries for k in aliases(name, prefix))
 
 
 def meta_skeleton(cls, config, dtype: torch.dtype) -> nn.Module:
@@ -98,11 +98,17 @@ def meta_skeleton(cls, config, dtype: torch.dtype) -> nn.Module:
 def load_module(model: nn.Module, name: str, source: SafetensorsSource) -> None:
     """Give module ``name``'s own parameters their stored values (it was on the meta device)."""
     module = model.get_submodule(name)
-    prefix = getattr(model, "base_model_prefix", "")
     for param_name, param in list(module.named_parameters(recurse=False)):
         if param.is_meta:
-            value = source.tensor(f"{name}.{param_name}", prefix).to(param.dtype)
-            setattr(module, param_name, nn.Parameter(value, requires_grad=param.requires_grad))
+            _load_parameter(model, module, param_name, f"{name}.{param_name}", source)
+
+
+def _load_parameter(model: nn.Module, module: nn.Module, param_name: str, full_name: str,
+                    source: SafetensorsSource) -> None:
+    """Replace ``module``'s meta parameter by one holding the stored value, in the parameter's dtype."""
+    param = getattr(module, param_name)
+    value = source.tensor(full_name, getattr(model, "base_model_prefix", "")).to(param.dtype)
+    setattr(module, param_name, nn.Parameter(value, requires_grad=param.requires_grad))
 
 
 def load_the_rest(model: nn.Module, source: SafetensorsSource) -> None:
@@ -116,9 +122,8 @@ def load_the_rest(model: nn.Module, source: SafetensorsSource) -> None:
             if not param.is_meta:
                 continue
             if full in tied and not source.has(full, prefix):
-                continue  # tied to another parameter: tie_weights() below
-            value = source.tensor(full, prefix).to(param.dtype)
-            setattr(module, param_name, nn.Parameter(value, requires_grad=param.requires_grad))
+                continue  # tied to another parameter: retie_dense_heads below
+            _load_parameter(model, module, param_name, full, source)
     retie_dense_heads(model)
     still_meta = [n for n, p in model.named_parameters() if p.is_meta]
     if still_meta:
