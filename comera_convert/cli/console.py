@@ -27,6 +27,13 @@ def error_console() -> Console:
     return Console(stderr=True)
 
 
+def progress_console() -> Console | None:
+    """The stderr console progress is drawn on, or None where none is drawn (--quiet, or stderr is a
+    pipe or a log file)."""
+    stderr = Console(stderr=True)
+    return None if quiet() or not stderr.is_terminal else stderr
+
+
 @contextlib.contextmanager
 def progress_display():
     """Yield ``update(description, done=None, total=None)`` for the library's ``progress`` hooks: a
@@ -34,10 +41,10 @@ def progress_display():
     drawn on stderr, and off under --quiet or when stderr is not a terminal."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    stderr = Console(stderr=True)
+    stderr = progress_console()
     bar = Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                   TimeElapsedColumn(), console=stderr, transient=True,
-                   disable=quiet() or not stderr.is_terminal)
+                   TimeElapsedColumn(), console=stderr or Console(stderr=True), transient=True,
+                   disable=stderr is None)
     with bar:
         task = bar.add_task("starting", total=None)
 

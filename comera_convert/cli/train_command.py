@@ -9,12 +9,11 @@ import click
 from ..training.options import LR_SCHEDULERS, OBJECTIVES
 from . import main
 from .commands import command_line
-from .console import console, echo_json, quiet, show_library_logs
+from .console import console, echo_json, progress_console, show_library_logs
 
 
 def _rich_progress_callback(total_steps: int, tokens_per_step: int):
     """A TrainerCallback drawing a rich progress bar with loss, ratio and tokens/s."""
-    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
     from transformers import TrainerCallback
 
@@ -24,8 +23,8 @@ def _rich_progress_callback(total_steps: int, tokens_per_step: int):
             self.start = None
 
         def on_train_begin(self, args, state, control, **kwargs):
-            stderr = Console(stderr=True)
-            if state.is_world_process_zero and stderr.is_terminal and not quiet():
+            stderr = progress_console()
+            if state.is_world_process_zero and stderr is not None:
                 self.bar = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
                                     TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=stderr)
                 self.task = self.bar.add_task("train", total=total_steps, completed=state.global_step, info="")
