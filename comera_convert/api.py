@@ -25,7 +25,7 @@ from .conversion.storage import cast_for_storage
 from .hf.compat import mark_compressed, untie_converted_heads
 from .hf.config import ComeraConfig
 from .hf.loading import decompress_model, from_pretrained
-from .hf.saving import check_output_dir, save_compressed, shard_kwargs, weight_bytes
+from .hf.saving import check_disk_space, check_output_dir, save_compressed, shard_kwargs, weight_bytes
 from .hf.sentence_config import check_modules
 from .models import load_model, resolve
 from .option_files import from_mapping
@@ -38,7 +38,7 @@ __all__ = ["ConversionResult", "calibrate", "convert", "convert_checkpoint", "de
 
 
 def convert(model: nn.Module, options: ConvertOptions | None = None, *, calibration: Calibration | None = None,
-            source: str | None = None, progress=None, load=None, **overrides) -> ConversionReport:
+            source: str | None = None, progress=None, load=None, release=None, **overrides) -> ConversionReport:
     """Convert ``model`` in place and return the report; ``model.save_pretrained`` then writes a
     compressed checkpoint.
 
@@ -46,10 +46,12 @@ def convert(model: nn.Module, options: ConvertOptions | None = None, *, calibrat
     rank=, layout=, targets=, exclude=, allocation=, ...), validated the same way. ``calibration``:
     the statistics of ``calibrate(model, tokenizer, data)``. ``source``: the dense model's name,
     recorded for `comera eval` and distillation. ``progress(name, index, count)`` hears of each module;
-    ``load(name)`` gives a module its weights just before it is decomposed (streaming conversion).
+    ``load(name)`` gives a module its weights just before it is decomposed and ``release(name)`` takes
+    its TT module once in place (streaming conversion).
     """
     options = with_overrides(options, overrides)
-    report = convert_modules(model, options, calibration=calibration, progress=progress, source=source, load=load)
+    report = convert_modules(model, options, calibration=calibration, progress=progress, source=source, load=load,
+                             release=release)
     untie_converted_heads(model)
     mark_compressed(model, ComeraConfig(source=source, dense_params=report.params_before))
     return report
@@ -105,33 +107,59 @@ def convert_checkpoint(model_name: str, out, options: ConvertOptions | None = No
                          f"(plain TT-SVD); copy its tokenizer in for a data-aware conversion")
     progress(f"loading {model_name}")
     streamed = _stream_source(path, options)
+    _check_room(out, path, options, spooled=streamed is not None)
     model = streamed.skeleton(task) if streamed is not None else None  # plain TT-SVD: layer by layer
     unstored = streamed.missing(model) if streamed is not None else []
     if unstored:
         notes.append(f"{model_name} stores {unstored[0]} (and {len(unstored) - 1} more) under other names, "
-                     f"which transformers converts on load: it was loaded whole instead of streamed")
+                     f"which transformers converts on load: it was loaded whole instead of streamed"
+                     f"{_whole_load_memory(path)}")
         streamed = None
     if streamed is None:
         model, path = load_model(model_name, task=task)
     loaded = time.perf_counter()
     if options.calibration:
         progress(f"calibrating on {options.calibration}")
-    calibration = _calibration(model, path, options, tokenizer) if options.calibration else None
+    sequential = _sequential_calibration(model, streamed, path, options, tokenizer) if options.calibration else None
+    if options.calibration and streamed is not None and sequential is None:
+        notes.append(f"{model_name} has no stack of repeated blocks to calibrate one at a time: it was loaded "
+                     f"whole{_whole_load_memory(path)}")
+        streamed = None
+        model, path = load_model(model_name, task=task)
+    if sequential is not None:
+        calibration = sequential.stats  # filled block by block as the conversion reaches each block
+    else:
+        calibration = _calibration(model, path, options, tokenizer) if options.calibration else None
     calibrated = time.perf_counter()
-    report = convert(model, options, calibration=calibration, source=model_name,
-                     progress=lambda name, index, total: progress(f"converting {name}", index, total),
-                     load=streamed.loader(model) if streamed is not None else None)
-    if streamed is not None:
-        streamed.load_the_rest(model)
-        report.extra["streamed"] = True
-    if options.dtype is not None:
-        cast_for_storage(model, options.dtype)
-    report.extra["storage_dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
-    report.extra["source_bytes"] = weight_bytes(path)
-    report.extra.update(lineage(None, command))
-    converted = time.perf_counter()
-    progress(f"saving {out}")
-    save_compressed(model, out, report=report, source=path, overwrite=overwrite, replace_dir=True, **sharding)
+    try:
+        if streamed is not None:
+            streamed.open_spool(out, options.dtype)
+        load, release = None, None
+        if sequential is not None:
+            load, release = sequential.prepare, sequential.release
+        elif streamed is not None:
+            load, release = streamed.loader(model), streamed.releaser(model)
+        report = convert(model, options, calibration=calibration, source=model_name,
+                         progress=lambda name, index, total: progress(f"converting {name}", index, total),
+                         load=load, release=release)
+        if sequential is not None:
+            sequential.finish()
+        if streamed is not None:
+            streamed.finish(model)
+            report.extra["streamed"] = True
+        elif options.dtype is not None:
+            cast_for_storage(model, options.dtype)
+        report.extra["storage_dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+        report.extra["source_bytes"] = weight_bytes(path)
+        report.extra.update(lineage(None, command))
+        converted = time.perf_counter()
+        progress(f"saving {out}")
+        write_weights = streamed.writer(model, sharding.get("max_shard_size")) if streamed is not None else None
+        save_compressed(model, out, report=report, source=path, overwrite=overwrite, replace_dir=True,
+                        write_weights=write_weights, **sharding)
+    finally:
+        if streamed is not None:
+            streamed.close()
     saved = time.perf_counter()
     timings = {"load": loaded - start, "convert": converted - calibrated, "save": saved - converted}
     if calibration is not None:
@@ -142,13 +170,56 @@ def convert_checkpoint(model_name: str, out, options: ConvertOptions | None = No
 
 
 def _stream_source(path: str, options: ConvertOptions):
-    """The streaming reader of a local safetensors checkpoint, where a plain (uncalibrated,
-    uniformly allocated) conversion can stream it; None otherwise."""
+    """The streaming reader of a local safetensors checkpoint, where a uniformly allocated
+    conversion can stream it; None otherwise."""
     from .hf.streaming import Streamed, streamable
 
-    if options.calibration is not None or options.allocation != "uniform" or not streamable(path):
+    if options.allocation != "uniform" or not streamable(path):
         return None
     return Streamed(path)
+
+
+# A conversion of a model loaded whole peaks at about twice its checkpoint's bytes (measured on a
+# 1.1 B bfloat16 model: 4.45 GB for 2.2 GB; BENCHMARKS.md, Streaming conversion).
+WHOLE_LOAD_MEMORY = 2.0
+
+
+def _whole_load_memory(path: str) -> str:
+    source = weight_bytes(path)
+    return f" (about {WHOLE_LOAD_MEMORY * source / 1e9:.1f} GB of memory, against half the checkpoint streamed)" \
+        if source else ""
+
+
+def _check_room(out: Path, path: str, options: ConvertOptions, spooled: bool) -> None:
+    """Refuse a conversion whose output the disk cannot hold, before the slow part: the source's
+    weight bytes over the ratio (all of them for a fixed rank), twice over when streaming (the
+    spool, then the checkpoint assembled from it)."""
+    source = weight_bytes(path)
+    if not source:
+        return  # not a local folder: its size is not known before loading
+    estimate = source / options.ratio if options.ratio else source
+    copies = 2 if spooled else 1
+    what = (f"{source / 1e9:.2f} GB of weights" + (f" / ratio {options.ratio:g}" if options.ratio else "")
+            + (", written twice: spooled as converted, then assembled" if spooled else ""))
+    check_disk_space(out, int(estimate * copies), what)
+
+
+def _sequential_calibration(model, streamed, path, options: ConvertOptions, tokenizer=None):
+    """A calibration run block by block as a streamed conversion reaches each block, or None where
+    the model is not streamed or has no stack of blocks."""
+    from .conversion.calibration import plan_calibration
+    from .conversion.targets import find_candidates
+    from .hf.sequential import SequentialCalibration, find_blocks
+    from .models import load_tokenizer
+
+    blocks = find_blocks(model) if streamed is not None else None
+    if blocks is None:
+        return None
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path, "--calibration")
+    candidates = find_candidates(model, options.targets, options.exclude, options.d)[0]
+    plan = plan_calibration(model, candidates, tokenizer, options.calibration, options.calibration_sequences,
+                            options.calibration_seq_len)
+    return SequentialCalibration(model, streamed, plan, candidates, blocks, options.calibration)
 
 
 def _tokenizer_or_none(path: str):

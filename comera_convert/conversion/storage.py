@@ -31,7 +31,7 @@ def cast_for_storage(model: nn.Module, name: str) -> None:
     dtype = storage_dtype(name)
     limit = torch.finfo(dtype).max
     for tensor_name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if tensor.is_floating_point() and tensor.numel():
+        if tensor.is_floating_point() and tensor.numel() and not tensor.is_meta:  # meta: spooled already
             largest = float(tensor.detach().abs().max())
             if largest > limit:
                 raise ConfigError(f"--dtype {name} cannot hold {tensor_name} (largest magnitude "

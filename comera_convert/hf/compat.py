@@ -19,6 +19,8 @@ Touch points:
   7. The quantizer registries (``register_quantizer`` / ``register_quantization_config``).
   8. ``Trainer._save_checkpoint`` / ``_save`` / ``_load_from_checkpoint``: overridden by
      ComeraTrainer for truncated checkpoints (``TRAINER_HOOKS``).
+  9. ``remove_tied_weights_from_state_dict`` / ``revert_weight_conversion``: the tensor names
+     ``save_pretrained`` writes, for a streamed conversion that writes its checkpoint itself.
 """
 
 from __future__ import annotations
@@ -123,3 +125,18 @@ def register_quantization_method(name: str, config_class, quantizer_class) -> No
         register_quantization_config(name)(config_class)
     if name not in AUTO_QUANTIZER_MAPPING:
         register_quantizer(name)(quantizer_class)
+
+
+# 9 -----------------------------------------------------------------------------------------------
+def saved_tensor_names(model: nn.Module) -> list[str]:
+    """The names ``save_pretrained`` gives ``model``'s tensors, in its order: the state dict less
+    tied copies, renamed back to the checkpoint format (touch 9). Works on meta tensors."""
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    state = remove_tied_weights_from_state_dict(model.state_dict(), model)
+    renamed = revert_weight_conversion(model, state)
+    if renamed.keys() != state.keys():
+        raise NotImplementedError(f"{type(model).__name__} saves its tensors under other names than it holds them: "
+                                  f"it cannot be written from a spool")
+    return list(renamed)

@@ -115,6 +115,29 @@ def check_output_dir(out: str | os.PathLike, overwrite: bool) -> Path:
     return out
 
 
+# Room left besides the estimate: the model card, config and report, and the estimate's own error
+# (a ratio is a target the allocation meets within a few percent).
+DISK_MARGIN = 1.1
+DISK_SLACK_BYTES = 64 * 2 ** 20
+
+
+def check_disk_space(out: Path, needed: int, what: str) -> None:
+    """Refuse, before anything is written, an output whose file system has less room than
+    ``needed`` bytes (plus a margin); ``what`` says where the estimate comes from."""
+    folder = Path(out).absolute()
+    while not folder.exists():
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    wanted = int(needed * DISK_MARGIN) + DISK_SLACK_BYTES
+    if free < wanted:
+        raise ConfigError(f"not enough disk space for {out}: {_gb(free)} free on {folder}, about {_gb(wanted)} "
+                          f"needed ({what})")
+
+
+def _gb(size: int) -> str:
+    return f"{size / 1e9:.2f} GB"
+
+
 def _move_into_place(tmp: Path, out: Path, replace_dir: bool) -> None:
     """A new directory is renamed in one step. An existing one is swapped whole (``replace_dir``:
     renamed aside, then removed) or gets each file replaced atomically (save_pretrained's merge)."""
@@ -157,13 +180,15 @@ def atomic_directory(out: Path, replace_dir: bool):
 
 
 def save_compressed(model, out: str | os.PathLike, *, report=None, source=None,
-                    overwrite: bool = True, replace_dir: bool = False, **save_kwargs) -> Path:
+                    overwrite: bool = True, replace_dir: bool = False, write_weights=None, **save_kwargs) -> Path:
     """Write ``model`` (converted) as a compressed checkpoint directory; returns its path.
 
     ``report`` defaults to a fresh description of the model as it is now (ranks after training).
     ``source``: the directory the model came from; its non-weight files travel (carry.py) and its
     model card goes below the new one. Without it (``model.save_pretrained``, Trainer checkpoints)
     only the card of the directory the model was loaded from is kept, below the new one.
+    ``write_weights(directory)``, when given, writes config and weights instead of ``save_pretrained``
+    (a streamed conversion's spool: ``spool.py``).
     """
     from ..conversion.report import REPORT_FILE, describe
     from .carry import carry_files
@@ -171,7 +196,10 @@ def save_compressed(model, out: str | os.PathLike, *, report=None, source=None,
 
     out = check_output_dir(out, overwrite)
     with atomic_directory(out, replace_dir) as tmp:
-        type(model).save_pretrained(model, tmp, **save_kwargs)
+        if write_weights is None:
+            type(model).save_pretrained(model, tmp, **save_kwargs)
+        else:
+            write_weights(tmp)
         _patch_config(tmp)
         carry_files(source, tmp)
         report = report if report is not None else describe(model)

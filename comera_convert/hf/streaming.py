@@ -4,13 +4,20 @@ The skeleton is built on the meta device (parameters without storage; buffers re
 computed at construction, such as rotary frequencies), the conversion is planned on it as usual,
 and each layer's dense weight is read from the source's safetensors files (memory-mapped, tensor by
 tensor) just before that layer is decomposed, then dropped. What stays in memory is the compressed
-model: its TT cores and the dense tensors it keeps. Plain TT-SVD only: calibration needs the dense
-model's activations, so a calibrated conversion loads the whole model (``convert_checkpoint`` says so).
+model: its TT cores and the dense tensors it keeps, and not even those: each converted layer is
+written to a spool file and freed (``spool.py``), and the checkpoint is assembled from it. Plain
+TT-SVD only: calibration needs the dense model's activations, so a calibrated conversion loads the
+whole model (``convert_checkpoint`` says so).
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import json
+import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -111,24 +118,42 @@ def _load_parameter(model: nn.Module, module: nn.Module, param_name: str, full_n
     setattr(module, param_name, nn.Parameter(value, requires_grad=param.requires_grad))
 
 
-def load_the_rest(model: nn.Module, source: SafetensorsSource) -> None:
+def load_the_rest(model: nn.Module, source: SafetensorsSource, skip=lambda name: False) -> None:
     """Every parameter still on the meta device (layers left dense, norms, biases) gets its stored
-    value; a tied output layer is tied again to its (now real) input embedding."""
+    value, but those ``skip(name)`` is true for (written out already, or not needed yet); a tied
+    output layer is tied again to its (now real) input embedding."""
     prefix = getattr(model, "base_model_prefix", "")
     tied = set((getattr(model, "all_tied_weights_keys", None) or {}).keys())
     for name, module in model.named_modules():
         for param_name, param in list(module.named_parameters(recurse=False)):
             full = f"{name}.{param_name}" if name else param_name
-            if not param.is_meta:
+            if not param.is_meta or skip(full):
                 continue
             if full in tied and not source.has(full, prefix):
                 continue  # tied to another parameter: retie_dense_heads below
             _load_parameter(model, module, param_name, full, source)
     retie_dense_heads(model)
-    still_meta = [n for n, p in model.named_parameters() if p.is_meta]
+    still_meta = [n for n, p in model.named_parameters() if p.is_meta and not skip(n)]
     if still_meta:
         raise ModelLoadError(f"the checkpoint stores no value for {', '.join(still_meta[:3])}"
                              + (f" and {len(still_meta) - 3} more" if len(still_meta) > 3 else ""))
+
+
+@functools.cache
+def _libc():
+    name = ctypes.util.find_library("c")
+    library = ctypes.CDLL(name) if name else None
+    return library if library is not None and hasattr(library, "malloc_trim") else None
+
+
+def give_back_free_memory() -> None:
+    """Return the heap's free pages to the system (glibc's malloc_trim; a no-op elsewhere). Each
+    layer's tensors are freed, but glibc keeps the pages for reuse, and tensors of ever-different
+    sizes leave them unused: measured on a 1.1 B model, resident memory grew by about one dense
+    layer per layer converted (0.4 -> 2.5 GB) without this, and stays flat with it."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def streamable(path: str) -> bool:
@@ -143,6 +168,8 @@ class Streamed:
     def __init__(self, path: str):
         self.path = path
         self.source = SafetensorsSource(path)
+        self.spool = None
+        self.storage_dtype = None
 
     def skeleton(self, task: str | None = None) -> nn.Module:
         from transformers import AutoConfig
@@ -171,5 +198,38 @@ class Streamed:
     def loader(self, model: nn.Module):
         return lambda name: load_module(model, name, self.source)
 
-    def load_the_rest(self, model: nn.Module) -> None:
-        load_the_rest(model, self.source)
+    def open_spool(self, out: Path, storage_dtype: str | None = None) -> None:
+        """Converted layers will be written to a hidden spool file beside ``out`` (cast to
+        ``storage_dtype`` first, when given) and freed; ``close`` removes it."""
+        from .spool import WeightSpool
+
+        out.parent.mkdir(parents=True, exist_ok=True)
+        handle, name = tempfile.mkstemp(prefix=f".{out.name}.spool-", dir=out.parent)
+        os.close(handle)
+        self.spool, self.storage_dtype = WeightSpool(name), storage_dtype
+
+    def releaser(self, model: nn.Module):
+        return lambda name: self.spill(model, name)
+
+    def spill(self, model: nn.Module, name: str) -> None:
+        """Write module ``name`` (cast to the storage dtype) to the spool and free its memory."""
+        from ..conversion.storage import cast_for_storage
+
+        if self.storage_dtype is not None:
+            cast_for_storage(model.get_submodule(name), self.storage_dtype)
+        self.spool.spill(model, name)
+        give_back_free_memory()
+
+    def finish(self, model: nn.Module) -> None:
+        """Read what was not converted (norms, biases, layers left dense) and spool it too."""
+        load_the_rest(model, self.source, skip=self.spool.entries.__contains__)
+        self.spill(model, "")
+
+    def writer(self, model: nn.Module, max_shard_size: int | str | None):
+        """The weight writer ``save_compressed`` calls: the spooled checkpoint, sharded as asked."""
+        sharding = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+        return lambda directory: self.spool.write_checkpoint(model, directory, **sharding)
+
+    def close(self) -> None:
+        if self.spool is not None:
+            self.spool.close()

@@ -59,7 +59,7 @@ def _right_sweep(tensor: torch.Tensor, ranks) -> tuple[list[torch.Tensor], torch
         v = left_singular_vectors(rest.T, int(ranks[k]))  # top right singular vectors
         r = v.shape[1]
         cores.insert(0, v.T.reshape(r, modes[k], r_next))
-        rest = rest @ v
+        rest = rest if r == rest.shape[1] else rest @ v  # at full rank v is the identity: no copy
         r_next = r
     return cores, rest
 
@@ -76,8 +76,9 @@ def whitened_tt_cores(matrix: torch.Tensor, spec: TTSpec, factor: torch.Tensor) 
                                   tuple(factor.shape)))
     d = len(spec.row_modes)
     factor = _padded_factor(factor.to(torch.float64), spec.padded_rows)
-    work = padded(matrix.detach().to(torch.float64), spec)
-    whitened = factor[:, None] * work if factor.dim() == 1 else factor @ work
+    work = padded(matrix.detach().to(torch.float64, copy=True), spec)  # its own: scaled in place below
+    whitened = work.mul_(factor[:, None]) if factor.dim() == 1 else factor @ work
+    del work  # a 32000 x 2048 embedding is 0.5 GB in float64: one such copy at a time
     out_cores, middle = _right_sweep(whitened.reshape((spec.padded_rows,) + spec.col_modes), spec.ranks[d - 1:])
     # S^{-1} A: the input half.
     if factor.dim() == 1:
