@@ -106,30 +106,16 @@ def convert_checkpoint(model_name: str, out, options: ConvertOptions | None = No
             notes.append(f"{model_name} has no tokenizer files, so it was converted without calibration "
                          f"(plain TT-SVD); copy its tokenizer in for a data-aware conversion")
     progress(f"loading {model_name}")
-    streamed = _stream_source(path, options)
-    _check_room(out, path, options, spooled=streamed is not None)
-    model = streamed.skeleton(task) if streamed is not None else None  # plain TT-SVD: layer by layer
-    unstored = streamed.missing(model) if streamed is not None else []
-    if unstored:
-        notes.append(f"{model_name} stores {unstored[0]} (and {len(unstored) - 1} more) under other names, "
-                     f"which transformers converts on load: it was loaded whole instead of streamed"
-                     f"{_whole_load_memory(path)}")
-        streamed = None
-    if streamed is None:
-        model, path = load_model(model_name, task=task)
+    _check_room(out, path, options)
+    model, path, streamed, sequential = _open_source(model_name, path, options, task, tokenizer, notes, progress)
     loaded = time.perf_counter()
-    if options.calibration:
-        progress(f"calibrating on {options.calibration}")
-    sequential = _sequential_calibration(model, streamed, path, options, tokenizer) if options.calibration else None
-    if options.calibration and streamed is not None and sequential is None:
-        notes.append(f"{model_name} has no stack of repeated blocks to calibrate one at a time: it was loaded "
-                     f"whole{_whole_load_memory(path)}")
-        streamed = None
-        model, path = load_model(model_name, task=task)
     if sequential is not None:
         calibration = sequential.stats  # filled block by block as the conversion reaches each block
+    elif options.calibration:
+        progress(f"calibrating on {options.calibration}")
+        calibration = _calibration(model, path, options, tokenizer)
     else:
-        calibration = _calibration(model, path, options, tokenizer) if options.calibration else None
+        calibration = None
     calibrated = time.perf_counter()
     try:
         if streamed is not None:
@@ -169,6 +155,31 @@ def convert_checkpoint(model_name: str, out, options: ConvertOptions | None = No
                             notes=notes)
 
 
+def _open_source(model_name: str, path: str, options: ConvertOptions, task, tokenizer, notes: list[str], progress):
+    """(model, path, streamed, sequential): the model on the meta device with its streaming reader
+    (and, calibrating, its block-by-block calibration) where it can stream; else loaded whole, with
+    a note saying why and how much memory that takes."""
+    streamed = _stream_source(path, options)
+    if streamed is not None:
+        model = streamed.skeleton(task)
+        unstored = streamed.missing(model)
+        if unstored:
+            notes.append(f"{model_name} stores {unstored[0]} (and {len(unstored) - 1} more) under other names, "
+                         f"which transformers converts on load: it was loaded whole instead of streamed"
+                         f"{_whole_load_memory(path)}")
+        elif not options.calibration:
+            return model, path, streamed, None
+        else:
+            progress(f"calibrating on {options.calibration}, block by block")
+            sequential = _sequential_calibration(model, streamed, path, options, tokenizer)
+            if sequential is not None:
+                return model, path, streamed, sequential
+            notes.append(f"{model_name} has no stack of repeated blocks to calibrate one at a time: it was loaded "
+                         f"whole{_whole_load_memory(path)}")
+    model, path = load_model(model_name, task=task)
+    return model, path, None, None
+
+
 def _stream_source(path: str, options: ConvertOptions):
     """The streaming reader of a local safetensors checkpoint, where a uniformly allocated
     conversion can stream it; None otherwise."""
@@ -190,13 +201,16 @@ def _whole_load_memory(path: str) -> str:
         if source else ""
 
 
-def _check_room(out: Path, path: str, options: ConvertOptions, spooled: bool) -> None:
+def _check_room(out: Path, path: str, options: ConvertOptions) -> None:
     """Refuse a conversion whose output the disk cannot hold, before the slow part: the source's
     weight bytes over the ratio (all of them for a fixed rank), twice over when streaming (the
     spool, then the checkpoint assembled from it)."""
+    from .hf.streaming import streamable
+
     source = weight_bytes(path)
     if not source:
         return  # not a local folder: its size is not known before loading
+    spooled = options.allocation == "uniform" and streamable(path)
     estimate = source / options.ratio if options.ratio else source
     copies = 2 if spooled else 1
     what = (f"{source / 1e9:.2f} GB of weights" + (f" / ratio {options.ratio:g}" if options.ratio else "")
@@ -206,13 +220,13 @@ def _check_room(out: Path, path: str, options: ConvertOptions, spooled: bool) ->
 
 def _sequential_calibration(model, streamed, path, options: ConvertOptions, tokenizer=None):
     """A calibration run block by block as a streamed conversion reaches each block, or None where
-    the model is not streamed or has no stack of blocks."""
+    the model has no stack of blocks."""
     from .conversion.calibration import plan_calibration
     from .conversion.targets import find_candidates
     from .hf.sequential import SequentialCalibration, find_blocks
     from .models import load_tokenizer
 
-    blocks = find_blocks(model) if streamed is not None else None
+    blocks = find_blocks(model)
     if blocks is None:
         return None
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path, "--calibration")

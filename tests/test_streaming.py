@@ -77,7 +77,8 @@ def test_the_spooled_checkpoint_is_what_save_pretrained_writes(case, tied, shard
     for config in configs:
         config["quantization_config"].pop("source")  # the streamed one names its source folder
     assert configs[0] == configs[1]
-    assert (tmp_path / "tt" / "generation_config.json").is_file() == (tmp_path / "ref" / "generation_config.json").is_file()
+    generation = [(tmp_path / d / "generation_config.json").is_file() for d in ("tt", "ref")]
+    assert generation[0] == generation[1]
     assert not [p for p in tmp_path.iterdir() if ".spool-" in p.name]
 
 
@@ -199,7 +200,8 @@ def test_an_output_the_disk_cannot_hold_is_refused_before_anything_is_written(tm
                                           r"\(0.00 GB of weights / ratio 2, written twice: spooled as converted"):
         convert_checkpoint(str(tmp_path / "dense"), tmp_path / "tt", ConvertOptions(ratio=2))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dense"]
-    result = CliRunner().invoke(main, ["convert", str(tmp_path / "dense"), "--ratio", "2", "--out", str(tmp_path / "tt")])
+    result = CliRunner().invoke(main, ["convert", str(tmp_path / "dense"), "--ratio", "2",
+                                       "--out", str(tmp_path / "tt")])
     assert result.exit_code != 0 and "Traceback" not in result.output
     assert [line for line in result.output.splitlines() if line.strip()] == [
         next(line for line in result.output.splitlines() if "not enough disk space" in line)]

@@ -249,25 +249,38 @@ def _record(stats: Calibration, shared: dict, candidate: Candidate, module, args
     key = (inputs.data_ptr(), tuple(inputs.shape), inputs.stride())
     if key not in shared:
         flat = inputs.reshape(-1, inputs.shape[-1]).float()
-        # The input is kept with its Gram until the batch ends, so that its memory cannot be
-        # reused by a later tensor that would then look like the same input.
-        shared[key] = _SharedInput(inputs, (flat.T @ flat).cpu(), flat.sum(0).to(torch.float64).cpu(), flat.shape[0])
+        # The input is kept until the batch ends, so that its memory cannot be reused by a later
+        # tensor that would then look like the same input.
+        shared[key] = _SharedInput(inputs, flat, flat.sum(0).to(torch.float64).cpu())
     entry = shared[key]
     name = candidate.name
-    stats.rows[name] = stats.rows.get(name, 0) + entry.rows
+    stats.rows[name] = stats.rows.get(name, 0) + entry.flat.shape[0]
     if name not in stats.grams and entry.first_owner is not None:
         # Layers reading one input (q, k and v; gate and up) share one sum from the first batch on.
         stats.grams[name], stats.sums[name] = stats.grams[entry.first_owner], stats.sums[entry.first_owner]
         return
     if name not in stats.grams:
-        stats.grams[name], stats.sums[name] = entry.gram.to(torch.float64), entry.total.clone()
+        width = entry.flat.shape[1]
+        stats.grams[name] = torch.zeros(width, width, dtype=torch.float64)
+        stats.sums[name] = torch.zeros(width, dtype=torch.float64)
         entry.first_owner = name
-    elif id(stats.grams[name]) not in entry.added:
-        # Summed in float64, in place: a 5632-wide layer's Gram matrix is 254 MB in float64, and a
-        # sum into a new tensor would hold three of them at once.
-        stats.grams[name].add_(entry.gram)
-        stats.sums[name].add_(entry.total)
+    elif id(stats.grams[name]) in entry.added:
+        return
+    add_gram(stats.grams[name], entry.flat)
+    stats.sums[name].add_(entry.total)
     entry.added.add(id(stats.grams[name]))
+
+
+# Columns of X^T X computed at a time: the float32 product of a 5632-wide input would be 127 MB
+# at once, a block of 1024 columns is 23 MB; each block is added to the float64 sum in place.
+GRAM_BLOCK = 1024
+
+
+def add_gram(total: torch.Tensor, flat: torch.Tensor) -> None:
+    """total += flat^T flat: float32 products summed into the float64 ``total`` a block at a time."""
+    for start in range(0, flat.shape[1], GRAM_BLOCK):
+        block = slice(start, start + GRAM_BLOCK)
+        total[:, block].add_((flat.T @ flat[:, block]).cpu())
 
 
 @dataclass
@@ -275,9 +288,8 @@ class _SharedInput:
     """One batch's input to one or more layers, reduced once."""
 
     inputs: torch.Tensor
-    gram: torch.Tensor  # float32 X^T X of this batch
+    flat: torch.Tensor  # the rows, float32
     total: torch.Tensor  # float64 sum of the rows
-    rows: int
     first_owner: str | None = None  # the layer that started a shared sum with this batch
     added: set = field(default_factory=set)  # the sums this batch was added to
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from ..conversion.calibration import CalibrationPlan, Recorder, empty_statistics
 from ..conversion.targets import Candidate
+from .spool import to_meta
 from .streaming import Streamed, load_module, load_the_rest
 
 
@@ -103,17 +104,30 @@ class SequentialCalibration:
     # The passes ------------------------------------------------------------------------------------
     @torch.no_grad()
     def start(self) -> None:
-        """Read every weight outside the blocks and run the batches up to the first block."""
-        load_the_rest(self.model, self.streamed.source, skip=lambda name: self.block_of(name) is not None)
-        capture = self.stack[0].register_forward_pre_hook(self._capture, with_kwargs=True)
+        """Read the weights outside the blocks, run the batches up to the first block (recording what
+        runs before it), and let go of what did not run (final norm, head: read again later)."""
+        self._load_outside()
+        ran: set[str] = set()
+        outside = [(n, m) for n, m in self.model.named_modules()
+                   if self.block_of(n) is None and n != self.blocks
+                   and next(m.parameters(recurse=False), None) is not None]
+        handles = [m.register_forward_pre_hook(lambda module, args, name=n: ran.add(name)) for n, m in outside]
+        handles.append(self.stack[0].register_forward_pre_hook(self._capture, with_kwargs=True))
         try:
             with Recorder(self.stats, self.outside) as recorder:
                 for batch in self.plan.batches:
                     recorder.next_batch()
                     self._forward(batch)
         finally:
-            capture.remove()
+            for handle in handles:
+                handle.remove()
+        for name, module in outside:
+            if name not in ran:  # after the blocks (final norm, head): read again when needed
+                to_meta(module)
         self.plan.count_tokens(self.stats)
+
+    def _load_outside(self) -> None:
+        load_the_rest(self.model, self.streamed.source, skip=lambda name: self.block_of(name) is not None)
 
     def _capture(self, module, args, kwargs):
         self.inputs.append(BlockInputs(args, dict(kwargs)))
@@ -149,6 +163,7 @@ class SequentialCalibration:
         waiting = [c for c in self.outside if c.kind == "linear" and c.name not in self.stats.grams]
         if not waiting or not outputs:
             return
+        self._load_outside()
         stack = self.stack
         self.model.set_submodule(self.blocks, nn.ModuleList([Replay(outputs)]))
         stops = [m.register_forward_pre_hook(self._stop_at_meta) for m in self.model.modules()
