@@ -206,3 +206,48 @@ def test_an_output_the_disk_cannot_hold_is_refused_before_anything_is_written(tm
     assert [line for line in result.output.splitlines() if line.strip()] == [
         next(line for line in result.output.splitlines() if "not enough disk space" in line)]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dense"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_decompositions_on_the_gpu_give_the_conversion_the_cpu_gives(tmp_path):
+    build("llama-clm").save_pretrained(tmp_path / "dense")
+    on_gpu = convert_checkpoint(str(tmp_path / "dense"), tmp_path / "gpu", ConvertOptions(ratio=2, device="cuda"))
+    convert_checkpoint(str(tmp_path / "dense"), tmp_path / "cpu", ConvertOptions(ratio=2))
+    assert on_gpu.report.extra["streamed"]
+    gpu, cpu = (AUTO["clm"].from_pretrained(tmp_path / d).eval() for d in ("gpu", "cpu"))
+    assert {p.device.type for p in gpu.parameters()} == {"cpu"}  # the layers come back to the host
+    assert torch.allclose(outputs(gpu), outputs(cpu), atol=1e-4)
+
+
+def test_the_device_option_runs_the_decompositions_there_and_refuses_what_is_not_there(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from comera_convert.cli import main
+    from comera_convert.conversion import converter
+    from comera_convert.errors import ConfigError
+
+    build("llama-clm").save_pretrained(tmp_path / "dense")
+    seen = []
+    real = converter.matrix_to_cores
+
+    def watched(matrix, spec):
+        seen.append(matrix.device.type)
+        return real(matrix, spec)
+
+    monkeypatch.setattr(converter, "matrix_to_cores", watched)
+    explicit = convert_checkpoint(str(tmp_path / "dense"), tmp_path / "cpu", ConvertOptions(ratio=2, device="cpu"))
+    assert seen and set(seen) == {"cpu"} and len(seen) == len(explicit.report.modules)
+    reference = build("llama-clm")
+    comera_convert.convert(reference, ratio=2)
+    assert torch.equal(outputs(AUTO["clm"].from_pretrained(tmp_path / "cpu").eval()), outputs(reference.eval()))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="--device cuda: no CUDA device is available here"):
+        ConvertOptions(device="cuda")
+    with pytest.raises(ConfigError, match="--device as cpu, cuda or cuda:N.*'tpu9'"):
+        ConvertOptions(device="tpu9")
+    result = CliRunner().invoke(main, ["convert", str(tmp_path / "dense"), "--device", "cuda", "--out",
+                                       str(tmp_path / "x")])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert [line for line in result.output.splitlines() if line.strip()] == [
+        next(line for line in result.output.splitlines() if "no CUDA device" in line)]
+    assert not (tmp_path / "x").exists()

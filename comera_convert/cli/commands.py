@@ -60,6 +60,9 @@ def _default_out(model: str, ratio, rank) -> str:
                    "[default: 1].")
 @click.option("--dtype", default=None, metavar="DTYPE",
               help="Store the checkpoint in float32, bfloat16 or float16 [default: the source's].")
+@click.option("--device", default=None, metavar="DEVICE",
+              help="Run the decompositions on DEVICE (cuda, cuda:1); reading and writing stay on the host "
+                   "[default: where the weights are].")
 @click.option("--recipe", type=click.Path(dir_okay=False), default=None,
               help="A YAML conversion recipe; options given here override it.")
 @click.option("--task", type=click.Choice(list(TASK_CLASSES)), default=None,
@@ -70,7 +73,7 @@ def _default_out(model: str, ratio, rank) -> str:
               help="Split the weights into files of at most SIZE (e.g. 2GB), with an index [default: 50GB].")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of tables.")
 def convert(model, ratio, rank, layout, embedding_layout, d, targets, exclude, no_gates, calibration,
-            no_calibration, calibration_sequences, allocation, rank_multiple, dtype, recipe, task, out,
+            no_calibration, calibration_sequences, allocation, rank_multiple, dtype, device, recipe, task, out,
             overwrite, max_shard_size, as_json):
     """Convert MODEL (directory, hub id or alias such as minilm, bert-base) to a TT checkpoint."""
     from ..recipes import convert_options
@@ -80,7 +83,7 @@ def convert(model, ratio, rank, layout, embedding_layout, d, targets, exclude, n
                  "targets": _patterns(targets), "exclude": _patterns(exclude),
                  "gates": False if no_gates else None, "calibration": calibration,
                  "calibration_sequences": calibration_sequences, "allocation": allocation,
-                 "rank_multiple": rank_multiple, "dtype": dtype}
+                 "rank_multiple": rank_multiple, "dtype": dtype, "device": device}
     options = convert_options(recipe, overrides)
     if no_calibration:
         if calibration:

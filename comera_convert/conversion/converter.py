@@ -15,6 +15,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..layers import TTEmbedding, TTLinear, TTModule
 from ..layers.tt_linear import dense_weight_of
+from ..tt.decompose import matrix_to_cores
 from .allocate import LayoutChoice
 from .calibration import Calibration, correct_bias, weighted_decomposer
 from .options import ConvertOptions
@@ -96,6 +97,14 @@ def _allocate(model, candidates, params_before, options, choice, calibration, pr
     return STRATEGIES[options.allocation](request)
 
 
+def on_device(decompose, device: str):
+    """``decompose`` run on ``device``, its cores returned to the matrix's device (--device)."""
+    def decompose_there(matrix, spec):
+        return [core.to(matrix.device) for core in decompose(matrix.to(device), spec)]
+
+    return decompose_there
+
+
 def swap_in(model: nn.Module, candidates, specs, options: ConvertOptions, calibration: Calibration | None = None,
             progress: Callable[[str, int, int], None] | None = None,
             load: Callable[[str], None] | None = None, release: Callable[[str], None] | None = None) -> None:
@@ -111,6 +120,8 @@ def swap_in(model: nn.Module, candidates, specs, options: ConvertOptions, calibr
             load(candidate.name)
         kwargs = dict(rank=spec.ranks, layout=spec.layout, d=options.d, gates=options.gates)
         decompose = calibration and weighted_decomposer(candidate, calibration, spec.layout)
+        if options.device is not None:
+            decompose = on_device(decompose or matrix_to_cores, options.device)
         if decompose:
             kwargs["decompose"] = decompose
         if candidate.kind == "embedding":

@@ -61,6 +61,10 @@ class ConvertOptions:
     # The dtype the checkpoint stores its tensors in (float32, bfloat16, float16); None keeps the
     # source's. bfloat16 halves a float32 checkpoint (conversion/storage.py).
     dtype: str | None = None
+    # Where the decompositions run ("cuda", "cuda:1", "cpu"); None: where each layer's weight is.
+    # The TT layers come back to the weight's device, so a streamed conversion reads and writes on
+    # the host while a GPU does the arithmetic.
+    device: str | None = None
     version: int = 1
 
     def __post_init__(self):
@@ -101,6 +105,8 @@ class ConvertOptions:
                               "sensitivity allocation climbs its own ladder of ranks")
         if self.dtype is not None:
             storage_dtype(self.dtype)
+        if self.device is not None:
+            check_device(self.device)
         scale = self.embedding_rank_scale
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 16:
             raise ConfigError(expected("embedding_rank_scale as a number in (0, 16]", scale))
@@ -125,3 +131,19 @@ class ConvertOptions:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def check_device(name: str) -> None:
+    """Refuse a device torch does not know, or a CUDA device this machine lacks, in one line."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ConfigError(expected("--device as cpu, cuda or cuda:N", name)) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name}: no CUDA device is available here (torch.cuda.is_available() is False)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(expected("--device as cpu, cuda or cuda:N", name))
