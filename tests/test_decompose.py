@@ -98,3 +98,26 @@ def test_float32_truncation_is_as_good_as_tensorly(layout):
     ours = float((cores_to_matrix(matrix_to_cores(matrix, spec), spec) - matrix).norm())
     ref = float((cores_to_matrix(tensorly_matrix_to_cores(matrix, spec), spec) - matrix).norm())
     assert ours <= ref * 1.001
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_gram_matrix_lower_triangle_is_the_product_in_every_memory_layout(dtype):
+    from comera_convert.tt.decompose import gram
+
+    matrix = torch.randn(40, 90, dtype=dtype, generator=torch.Generator().manual_seed(0))
+    for layout in (matrix, matrix.T.contiguous().T, matrix[:, ::3], matrix.T):  # C, Fortran, strided, tall
+        expected = layout.double() @ layout.double().T
+        product = gram(layout)
+        assert product.shape == expected.shape
+        assert torch.allclose(torch.tril(product).double(), torch.tril(expected), rtol=1e-5, atol=1e-4)
+
+
+def test_top_eigenvectors_span_the_leading_eigenspace_by_the_subset_and_the_full_solver():
+    from comera_convert.tt.decompose import gram, top_eigenvectors
+
+    matrix = torch.randn(60, 200, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    reference = torch.linalg.svd(matrix, full_matrices=False).U
+    for count in (5, 40):  # below and above the share where the subset solver is used
+        vectors = top_eigenvectors(gram(matrix), count)
+        projector = vectors @ vectors.T
+        assert torch.allclose(projector, reference[:, :count] @ reference[:, :count].T, atol=1e-8)
