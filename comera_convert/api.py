@@ -148,7 +148,7 @@ def convert_checkpoint(model_name: str, out, options: ConvertOptions | None = No
             streamed.close()
     saved = time.perf_counter()
     timings = {"load": loaded - start, "convert": converted - calibrated, "save": saved - converted}
-    if calibration is not None:
+    if calibration is not None and sequential is None:  # block by block it is part of the conversion
         timings["calibrate"] = calibrated - loaded
     report.extra["timings"] = timings
     return ConversionResult(out=out, report=report, timings=timings, disk_bytes=weight_bytes(out),
