@@ -251,3 +251,43 @@ def test_the_device_option_runs_the_decompositions_there_and_refuses_what_is_not
     assert [line for line in result.output.splitlines() if line.strip()] == [
         next(line for line in result.output.splitlines() if "no CUDA device" in line)]
     assert not (tmp_path / "x").exists()
+
+
+def test_the_layers_left_dense_are_read_and_written_out_one_at_a_time(tmp_path, monkeypatch):
+    from comera_convert.hf import spool
+
+    build("llama-clm").save_pretrained(tmp_path / "dense")
+    real = spool.WeightSpool.spill
+    held = []
+
+    def watched(self, model, module_name=""):
+        # Whenever a module is written out, no other dense linear layer is in memory beside it.
+        dense = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and not m.weight.is_meta
+                 and n != module_name]
+        held.append(dense)
+        real(self, model, module_name)
+
+    monkeypatch.setattr(spool.WeightSpool, "spill", watched)
+    result = convert_checkpoint(str(tmp_path / "dense"), tmp_path / "tt", ConvertOptions(ratio=2),
+                                exclude=["*mlp*"])  # the MLPs stay dense: read and written at the end
+    assert any(row.name.endswith("mlp.up_proj") for row in result.report.modules) is False
+    assert held and all(dense == [] for dense in held), held
+    reference = build("llama-clm")
+    comera_convert.convert(reference, ratio=2, exclude=["*mlp*"])
+    loaded = AUTO["clm"].from_pretrained(tmp_path / "tt").eval()
+    assert torch.allclose(outputs(loaded), outputs(reference.eval()), atol=1e-5)
+
+
+def test_a_calibrated_model_without_a_stack_of_blocks_is_loaded_whole_with_its_memory_cost(tmp_path, monkeypatch):
+    from comera_convert.hf import sequential
+
+    dense, _, cls = _with_tokenizer(tmp_path, "llama-clm")
+    monkeypatch.setattr(sequential, "find_blocks", lambda model: None)
+    options = ConvertOptions(ratio=2, calibration="english", calibration_sequences=16, calibration_seq_len=32)
+    result = convert_checkpoint(str(dense), tmp_path / "tt", options)
+    assert "streamed" not in result.report.extra and "calibration" in result.report.extra
+    note = next(n for n in result.notes if "no stack of repeated blocks" in n)
+    source_gb = (dense / "model.safetensors").stat().st_size / 1e9
+    assert f"about {2 * source_gb:.1f} GB of memory" in note
+    assert "calibrate" in result.timings  # calibrated before converting, as a whole model is
+    assert cls.from_pretrained(tmp_path / "tt") is not None

@@ -65,7 +65,7 @@ def convert_modules(model: nn.Module, options: ConvertOptions, calibration: Cali
         if spec is None:
             skipped[candidate.name] = (f"TT at rank {allocation.shared_rank} would not be smaller"
                                        if allocation.shared_rank else f"kept dense by the {options.allocation} allocation")
-    swap_in(model, candidates, allocation.specs, options, calibration, progress, load, release)
+    swap_in(model, candidates, allocation.specs, options, calibration, progress, load=load, release=release)
 
     converted = {c.name for c, s in zip(candidates, allocation.specs) if s is not None}
     for head in tied:

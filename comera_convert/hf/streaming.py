@@ -118,13 +118,15 @@ def _load_parameter(model: nn.Module, module: nn.Module, param_name: str, full_n
     setattr(module, param_name, nn.Parameter(value, requires_grad=param.requires_grad))
 
 
-def load_the_rest(model: nn.Module, source: SafetensorsSource, skip=lambda name: False) -> None:
+def load_the_rest(model: nn.Module, source: SafetensorsSource, skip=lambda name: False, after=None) -> None:
     """Every parameter still on the meta device (layers left dense, norms, biases) gets its stored
     value, but those ``skip(name)`` is true for (written out already, or not needed yet); a tied
-    output layer is tied again to its (now real) input embedding."""
+    output layer is tied again to its (now real) input embedding. ``after(module name)`` is called
+    once a module's parameters are read (streaming writes it out before reading the next)."""
     prefix = getattr(model, "base_model_prefix", "")
     tied = set((getattr(model, "all_tied_weights_keys", None) or {}).keys())
     for name, module in model.named_modules():
+        loaded = False
         for param_name, param in list(module.named_parameters(recurse=False)):
             full = f"{name}.{param_name}" if name else param_name
             if not param.is_meta or skip(full):
@@ -132,6 +134,9 @@ def load_the_rest(model: nn.Module, source: SafetensorsSource, skip=lambda name:
             if full in tied and not source.has(full, prefix):
                 continue  # tied to another parameter: retie_dense_heads below
             _load_parameter(model, module, param_name, full, source)
+            loaded = True
+        if loaded and after is not None:
+            after(name)
     retie_dense_heads(model)
     still_meta = [n for n, p in model.named_parameters() if p.is_meta and not skip(n)]
     if still_meta:
@@ -221,8 +226,10 @@ class Streamed:
         give_back_free_memory()
 
     def finish(self, model: nn.Module) -> None:
-        """Read what was not converted (norms, biases, layers left dense) and spool it too."""
-        load_the_rest(model, self.source, skip=self.spool.entries.__contains__)
+        """Read what was not converted (norms, biases, layers left dense) a module at a time, each
+        spooled before the next is read, and whatever else the model holds (buffers)."""
+        load_the_rest(model, self.source, skip=self.spool.entries.__contains__,
+                      after=lambda name: self.spill(model, name))
         self.spill(model, "")
 
     def writer(self, model: nn.Module, max_shard_size: int | str | None):
