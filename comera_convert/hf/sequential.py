@@ -113,14 +113,7 @@ class SequentialCalibration:
                    and next(m.parameters(recurse=False), None) is not None]
         handles = [m.register_forward_pre_hook(lambda module, args, name=n: ran.add(name)) for n, m in outside]
         handles.append(self.stack[0].register_forward_pre_hook(self._capture, with_kwargs=True))
-        try:
-            with Recorder(self.stats, self.outside) as recorder:
-                for batch in self.plan.batches:
-                    recorder.next_batch()
-                    self._forward(batch)
-        finally:
-            for handle in handles:
-                handle.remove()
+        self._recorded_pass(self.outside, handles)
         for name, module in outside:
             if name not in ran:  # after the blocks (final norm, head): read again when needed
                 to_meta(module)
@@ -166,23 +159,30 @@ class SequentialCalibration:
         self._load_outside()
         stack = self.stack
         self.model.set_submodule(self.blocks, nn.ModuleList([Replay(outputs)]))
-        stops = [m.register_forward_pre_hook(self._stop_at_meta) for m in self.model.modules()
-                 if not isinstance(m, (nn.ModuleList, Replay))]
         try:
-            with Recorder(self.stats, waiting) as recorder:
+            stops = [m.register_forward_pre_hook(self._stop_at_meta) for m in self.model.modules()
+                     if not isinstance(m, (nn.ModuleList, Replay))]
+            self._recorded_pass(waiting, stops)
+        finally:
+            self.model.set_submodule(self.blocks, stack)
+
+    def _recorded_pass(self, candidates: list[Candidate], hooks: list) -> None:
+        """Every calibration batch through the model, ``candidates``' inputs recorded; ``hooks``
+        (which stop the pass where it has gone far enough) removed after."""
+        try:
+            with Recorder(self.stats, candidates) as recorder:
                 for batch in self.plan.batches:
                     recorder.next_batch()
                     self._forward(batch)
         finally:
-            for handle in stops:
-                handle.remove()
-            self.model.set_submodule(self.blocks, stack)
+            for hook in hooks:
+                hook.remove()
 
-    @staticmethod
-    def _stop_at_meta(module, args):
+    @classmethod
+    def _stop_at_meta(cls, module, args):
         # A module whose weights were written out already (a tied head of a converted embedding)
         # comes after everything the pass records: stop there.
-        if any(p.is_meta for p in module.parameters(recurse=False)):
+        if cls._has_meta(module):
             raise StopForward
 
     def _forward(self, batch: torch.Tensor) -> None:
