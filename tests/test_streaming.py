@@ -291,3 +291,27 @@ def test_a_calibrated_model_without_a_stack_of_blocks_is_loaded_whole_with_its_m
     assert f"about {2 * source_gb:.1f} GB of memory" in note
     assert "calibrate" in result.timings  # calibrated before converting, as a whole model is
     assert cls.from_pretrained(tmp_path / "tt") is not None
+
+
+def test_the_spool_keeps_every_tensor_bit_for_bit_and_refuses_a_dtype_safetensors_lacks(tmp_path):
+    from comera_convert.errors import ConfigError
+    from comera_convert.hf.spool import WeightSpool
+
+    module = torch.nn.Module()
+    module.weight = torch.nn.Parameter(torch.randn(3, 5).to(torch.bfloat16))
+    module.register_buffer("ids", torch.arange(7))
+    module.register_buffer("flags", torch.tensor([True, False]))
+    kept = {name: tensor.clone() for name, tensor in module.state_dict().items()}
+    spool = WeightSpool(tmp_path / "spool")
+    spool.spill(module)
+    assert all(t.is_meta for t in module.state_dict().values())
+    spool._write_shard(tmp_path / "one.safetensors", sorted(kept))
+    from safetensors.torch import load_file
+
+    back = load_file(tmp_path / "one.safetensors")
+    assert back.keys() == kept.keys() and all(torch.equal(back[n], kept[n]) for n in kept)
+    module.register_buffer("phase", torch.ones(2, dtype=torch.complex64))
+    with pytest.raises(ConfigError, match="phase is torch.complex64, which a safetensors checkpoint"):
+        spool.spill(module)
+    spool.close()
+    assert not (tmp_path / "spool").exists()

@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..errors import ConfigError
 from .compat import saved_tensor_names
-from .streaming import INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE
+from .streaming import INDEX_FILE, SAFETENSORS_DTYPES
 
 DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 COPY_BLOCK = 16 * 2 ** 20  # bytes moved from the spool to a shard per read: memory stays flat
@@ -56,6 +57,9 @@ class WeightSpool:
         to_meta(module)
 
     def _write(self, name: str, tensor: torch.Tensor) -> None:
+        if tensor.dtype not in DTYPE_NAMES:
+            raise ConfigError(f"{name} is {tensor.dtype}, which a safetensors checkpoint written here cannot hold "
+                              f"(expected one of {', '.join(str(d) for d in DTYPE_NAMES)})")
         data = tensor.contiguous().cpu().reshape(-1).view(torch.uint8)
         self.handle.seek(0, 2)
         offset = self.handle.tell()
@@ -82,12 +86,10 @@ class WeightSpool:
         self.handle.flush()
         for filename, tensor_names in split.filename_to_tensors.items():
             self._write_shard(directory / filename, tensor_names)
-        if split.is_sharded:
+        if split.is_sharded:  # else the one file is model.safetensors, as save_pretrained names it
             index = {"metadata": {"total_parameters": model.num_parameters(), **split.metadata},
                      "weight_map": split.tensor_to_filename}
             (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        else:
-            assert split.filename_to_tensors.keys() == {SINGLE_FILE}
 
     def _write_shard(self, path: Path, names: list[str]) -> None:
         # Widest elements first, as safetensors orders them, so every tensor starts aligned.
