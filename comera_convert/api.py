@@ -148,7 +148,11 @@ def convert_checkpoint(model_name: str, out, options: ConvertOptions | None = No
             streamed.close()
     saved = time.perf_counter()
     timings = {"load": loaded - start, "convert": converted - calibrated, "save": saved - converted}
-    if calibration is not None and sequential is None:  # block by block it is part of the conversion
+    if sequential is not None:  # block by block: the text was read while loading, the passes ran in the conversion
+        timings["calibrate"] = sequential.reading_seconds + sequential.seconds
+        timings["load"] -= sequential.reading_seconds
+        timings["convert"] -= sequential.seconds
+    elif calibration is not None:
         timings["calibrate"] = calibrated - loaded
     report.extra["timings"] = timings
     return ConversionResult(out=out, report=report, timings=timings, disk_bytes=weight_bytes(out),
@@ -231,9 +235,12 @@ def _sequential_calibration(model, streamed, path, options: ConvertOptions, toke
         return None
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path, "--calibration")
     candidates = find_candidates(model, options.targets, options.exclude, options.d)[0]
+    began = time.perf_counter()
     plan = plan_calibration(model, candidates, tokenizer, options.calibration, options.calibration_sequences,
                             options.calibration_seq_len)
-    return SequentialCalibration(model, streamed, plan, candidates, blocks, options.calibration)
+    calibrator = SequentialCalibration(model, streamed, plan, candidates, blocks, options.calibration)
+    calibrator.reading_seconds = time.perf_counter() - began
+    return calibrator
 
 
 def _tokenizer_or_none(path: str):

@@ -17,6 +17,7 @@ outside the blocks (embeddings, final norm, head) and the hidden states of the c
 from __future__ import annotations
 
 import inspect
+import time
 
 import torch
 from torch import nn
@@ -91,6 +92,8 @@ class SequentialCalibration:
             index = self.block_of(candidate.name)
             (self.outside if index is None else self.by_block[index]).append(candidate)
         self.inputs: list[BlockInputs] = []
+        self.seconds = 0.0  # spent in calibration passes, interleaved with the conversion
+        self.reading_seconds = 0.0  # spent reading the calibration text (set by whoever read it)
         self.done_blocks = 0
         self.finished = False
         self.deferred: list[str] = []
@@ -200,6 +203,7 @@ class SequentialCalibration:
 
     # The converter's hooks -------------------------------------------------------------------------
     def prepare(self, name: str) -> None:
+        began = time.perf_counter()
         if not self.inputs and not self.finished:
             self.start()
         index = self.block_of(name)
@@ -208,6 +212,7 @@ class SequentialCalibration:
                 self._run_block(self.done_blocks)
         elif not self.finished and name not in self.stats.counts and name not in self.stats.grams:
             self._finish_blocks()
+        self.seconds += time.perf_counter() - began
         load_module(self.model, name, self.streamed.source)
 
     def release(self, name: str) -> None:
