@@ -2,12 +2,11 @@
 
 The skeleton is built on the meta device (parameters without storage; buffers real, since many are
 computed at construction, such as rotary frequencies), the conversion is planned on it as usual,
-and each layer's dense weight is read from the source's safetensors files (memory-mapped, tensor by
-tensor) just before that layer is decomposed, then dropped. What stays in memory is the compressed
-model: its TT cores and the dense tensors it keeps, and not even those: each converted layer is
-written to a spool file and freed (``spool.py``), and the checkpoint is assembled from it. Plain
-TT-SVD only: calibration needs the dense model's activations, so a calibrated conversion loads the
-whole model (``convert_checkpoint`` says so).
+and each layer's dense weight is read from the source's safetensors files (by the offsets in their
+headers, tensor by tensor) just before that layer is decomposed, then dropped. The compressed model
+does not pile up either: each converted layer is written to a spool file and freed (``spool.py``),
+and the checkpoint is assembled from the spool at the end. A calibrated conversion streams the
+same way, its statistics gathered block by block (``sequential.py``).
 """
 
 from __future__ import annotations
