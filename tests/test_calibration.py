@@ -264,3 +264,14 @@ def test_bias_correction_centres_the_error_on_the_calibration_inputs():
             change = model(x) - (x @ dense[0].T + dense[1])
         errors[corrected] = float(change.mean(0).norm() / change.norm(dim=1).mean())
     assert errors[True] < 1e-4 < errors[False], errors
+
+
+@pytest.mark.parametrize("width", [7, 1024, 2500])
+def test_the_gram_sum_equals_the_full_product_in_float64(width):
+    from comera_convert.conversion.calibration import add_gram
+
+    flat = torch.randn(300, width, generator=torch.Generator().manual_seed(width))
+    total = torch.ones(width, width, dtype=torch.float64)  # added to, not overwritten
+    add_gram(total, flat)
+    expected = 1 + (flat.T @ flat).double()
+    assert torch.allclose(total, expected, rtol=1e-6, atol=1e-3)  # both triangles, not one
