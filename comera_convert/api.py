@@ -184,14 +184,18 @@ def _open_source(model_name: str, path: str, options: ConvertOptions, task, toke
     return model, path, None, None
 
 
-def _stream_source(path: str, options: ConvertOptions):
-    """The streaming reader of a local safetensors checkpoint, where a uniformly allocated
-    conversion can stream it; None otherwise."""
-    from .hf.streaming import Streamed, streamable
+def _streams(path: str, options: ConvertOptions) -> bool:
+    """Whether this conversion streams: a uniformly allocated one of a local safetensors checkpoint."""
+    from .hf.streaming import streamable
 
-    if options.allocation != "uniform" or not streamable(path):
-        return None
-    return Streamed(path)
+    return options.allocation == "uniform" and streamable(path)
+
+
+def _stream_source(path: str, options: ConvertOptions):
+    """The streaming reader of the checkpoint where the conversion streams; None otherwise."""
+    from .hf.streaming import Streamed
+
+    return Streamed(path) if _streams(path, options) else None
 
 
 # A conversion of a model loaded whole peaks at about twice its checkpoint's bytes (measured on a
@@ -209,12 +213,10 @@ def _check_room(out: Path, path: str, options: ConvertOptions) -> None:
     """Refuse a conversion whose output the disk cannot hold, before the slow part: the source's
     weight bytes over the ratio (all of them for a fixed rank), twice over when streaming (the
     spool, then the checkpoint assembled from it)."""
-    from .hf.streaming import streamable
-
     source = weight_bytes(path)
     if not source:
         return  # not a local folder: its size is not known before loading
-    spooled = options.allocation == "uniform" and streamable(path)
+    spooled = _streams(path, options)
     estimate = source / options.ratio if options.ratio else source
     copies = 2 if spooled else 1
     what = (f"{source / 1e9:.2f} GB of weights" + (f" / ratio {options.ratio:g}" if options.ratio else "")
