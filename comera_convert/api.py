@@ -240,9 +240,8 @@ def _sequential_calibration(model, streamed, path, options: ConvertOptions, toke
     began = time.perf_counter()
     plan = plan_calibration(model, candidates, tokenizer, options.calibration, options.calibration_sequences,
                             options.calibration_seq_len)
-    calibrator = SequentialCalibration(model, streamed, plan, candidates, blocks, options.calibration)
-    calibrator.reading_seconds = time.perf_counter() - began
-    return calibrator
+    return SequentialCalibration(model, streamed, plan, candidates, blocks, options.calibration,
+                                 reading_seconds=time.perf_counter() - began)
 
 
 def _tokenizer_or_none(path: str):

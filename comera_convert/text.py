@@ -222,7 +222,7 @@ def sample(source: str, tokenizer, seq_len: int, vocab_size: int, max_tokens: in
         ids = ids[: max_tokens - read]
         read += len(ids)
         uncounted += ids
-        if len(uncounted) >= COUNT_EVERY or read >= max_tokens:
+        if len(uncounted) >= COUNT_EVERY:  # the rest is counted after the loop
             _count(counts, uncounted)
         if unknown is not None and read >= UNKNOWN_CHECK_TOKENS and unknown < vocab_size:
             _count(counts, uncounted)

@@ -82,7 +82,7 @@ class SequentialCalibration:
     written out only at the end (the last pass runs them)."""
 
     def __init__(self, model: nn.Module, streamed: Streamed, plan: CalibrationPlan, candidates: list[Candidate],
-                 blocks: str, source: str):
+                 blocks: str, source: str, reading_seconds: float = 0.0):
         self.model, self.streamed, self.plan, self.blocks = model, streamed, plan, blocks
         self.stats = empty_statistics(plan.batches, source, plan.needed)
         self.stack = model.get_submodule(blocks)
@@ -93,7 +93,7 @@ class SequentialCalibration:
             (self.outside if index is None else self.by_block[index]).append(candidate)
         self.inputs: list[BlockInputs] = []
         self.seconds = 0.0  # spent in calibration passes, interleaved with the conversion
-        self.reading_seconds = 0.0  # spent reading the calibration text (set by whoever read it)
+        self.reading_seconds = reading_seconds  # spent reading the calibration text into ``plan``
         self.done_blocks = 0
         self.finished = False
         self.deferred: list[str] = []
@@ -137,9 +137,8 @@ class SequentialCalibration:
                 self.stats.forget(candidate.name)
         block = self.stack[index]
         prefix = f"{self.blocks}.{index}"
-        for name, module in block.named_modules():
-            if self._has_meta(module):
-                load_module(self.model, f"{prefix}.{name}" if name else prefix, self.streamed.source)
+        for name, _ in block.named_modules():  # load_module reads only what is still on the meta device
+            load_module(self.model, f"{prefix}.{name}" if name else prefix, self.streamed.source)
         outputs = []
         with Recorder(self.stats, self.by_block[index]) as recorder:
             for inputs in self.inputs:
