@@ -205,8 +205,7 @@ WHOLE_LOAD_MEMORY = 2.0
 
 def _whole_load_memory(path: str) -> str:
     source = weight_bytes(path)
-    return f" (about {WHOLE_LOAD_MEMORY * source / 1e9:.1f} GB of memory, against half the checkpoint streamed)" \
-        if source else ""
+    return f" (about {WHOLE_LOAD_MEMORY * source / 1e9:.1f} GB of memory)" if source else ""
 
 
 def _check_room(out: Path, path: str, options: ConvertOptions) -> None:
