@@ -155,7 +155,7 @@ def test_train_help_names_follow_training_arguments():
     assert result.exit_code == 0
     for name in ("--max-steps", "--per-device-train-batch-size", "--gradient-accumulation-steps",
                  "--logging-steps", "--save-steps", "--seed", "--bf16", "--resume", "--target-ratio",
-                 "--rank-multiple"):
+                 "--rank-multiple", "--fsdp"):
         assert name in result.output
 
 
@@ -180,6 +180,8 @@ def test_train_bad_input_is_one_line(dense_dir, tmp_path):
                     "--data /bin/ls is not a text file (it holds NUL bytes)")
     _one_line_error(run("train", out, "--target-ratio", "5", "--steps", "4", "--early-steps", "4",
                         "--out", tmp_path / "t7"), "needs a late stage to compress in")
+    _one_line_error(run("train", out, "--fsdp", "--out", tmp_path / "t8"),
+                    "--fsdp shards the model across workers", "torchrun --nproc_per_node N")
 
 
 def test_convert_with_calibration_records_it(dense_dir, tmp_path):

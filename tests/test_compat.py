@@ -127,6 +127,31 @@ def test_9_the_names_save_pretrained_writes_are_known_before_writing(tmp_path):
     assert len(saved_tensor_names(model)) < len(model.state_dict())
 
 
+def test_10_a_model_marked_sharded_is_neither_wrapped_nor_moved_by_the_trainer(tmp_path):
+    import pytest
+
+    model = build("llama-clm")
+    compat.mark_sharded(model, workers=2)
+    assert model.is_distributed_loading_by_transformers
+    assert model.config.distributed_config.fsdp_size == 2 and model.config.distributed_config.dp_replicate_size == 1
+    args = tf.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], save_only_model=True)
+    trainer = tf.Trainer(model=model, args=args)
+    assert trainer.is_distributed_loading_by_transformers and not trainer.place_model_on_device
+    # Why --fsdp saves AdamW's state itself: the Trainer keeps none for such a model.
+    with pytest.raises(ValueError, match="save_only_model"):
+        tf.Trainer(model=model, args=tf.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[]))
+
+
+def test_10_a_transformers_without_it_is_refused_in_one_line(monkeypatch):
+    import pytest
+
+    from comera_convert.errors import ConfigError
+
+    monkeypatch.delattr(tf.Trainer, "_sync_replicated_trainable_parameters")
+    with pytest.raises(ConfigError, match=f"5.19 and later have it\\); this one is {tf.__version__}"):
+        compat.check_sharded_training()
+
+
 def test_the_declared_range_is_the_packages_and_admits_this_transformers():
     from pathlib import Path
 

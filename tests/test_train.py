@@ -2,6 +2,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -49,13 +50,19 @@ def corpus(tmp_path):
 
 
 def compressed(tmp_path, tokenizer, case="bert-mlm", ratio=2.5, gates=True, name="tt"):
-    from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel
+    from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
+                              LlamaForCausalLM)
 
     torch.manual_seed(0)
     if case == "bert-mlm":
         model = BertForMaskedLM(BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                            intermediate_size=128, vocab_size=tokenizer.vocab_size,
                                            max_position_embeddings=64))
+    elif case == "llama-clm":  # grouped-query attention, head tied to the embedding
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2,
+                                             vocab_size=tokenizer.vocab_size, max_position_embeddings=64,
+                                             tie_word_embeddings=True))
     else:
         model = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=tokenizer.vocab_size,
                                            n_positions=64, bos_token_id=0, eos_token_id=0))
@@ -420,14 +427,17 @@ def test_disk_full_while_saving_leaves_no_partial_checkpoint(tmp_path, tokenizer
 
 
 @pytest.mark.parametrize("problem", ["missing data", "empty data", "not compressed", "mlm on gpt2",
-                                     "target below current", "no gates", "nothing to resume"])
+                                     "target below current", "no gates", "nothing to resume",
+                                     "fsdp without workers", "resume an fsdp run without it"])
 def test_bad_input_is_a_clear_error(tmp_path, tokenizer, corpus, problem):
     options = dict(objective="mlm", data=str(corpus), **FAST)
     path = compressed(tmp_path, tokenizer)
     expected = {"missing data": "no such file or directory", "empty data": "no text files",
                 "not compressed": "is not a compressed model", "mlm on gpt2": "gpt2 is causal",
                 "target below current": "is not above the model's current ratio",
-                "no gates": "no rank gates", "nothing to resume": "holds no checkpoint"}[problem]
+                "no gates": "no rank gates", "nothing to resume": "holds no checkpoint",
+                "fsdp without workers": "under torchrun with two or more processes",
+                "resume an fsdp run without it": "sharded across workers .* resume it with --fsdp"}[problem]
     resume = False
     if problem == "missing data":
         options["data"] = str(tmp_path / "nope.txt")
@@ -442,33 +452,102 @@ def test_bad_input_is_a_clear_error(tmp_path, tokenizer, corpus, problem):
         options["target_ratio"] = 1.5
     elif problem == "no gates":
         path = compressed(tmp_path, tokenizer, gates=False, name="nogates")
+    elif problem == "fsdp without workers":
+        options["fsdp"] = True
     else:
         resume = True
+        if problem == "resume an fsdp run without it":
+            (tmp_path / "out" / "checkpoints" / "checkpoint-6" / "optimizer_sharded").mkdir(parents=True)
     with pytest.raises(ConfigError, match=expected):
         train(str(path), TrainOptions(**options), tmp_path / "out", resume=resume)
 
 
-def test_two_process_ddp_over_gloo(tmp_path, tokenizer, corpus):
-    path = compressed(tmp_path, tokenizer)
+def torchrun(*arguments: str, workers: int = 2) -> str:
+    """Run ``arguments`` (a script, or ``-m module ...``) under torchrun with ``workers`` CPU
+    processes; return what they printed, failing the test with their output if they failed."""
     import socket
 
     with socket.socket() as probe:  # a free port on this machine for the rendezvous
         probe.bind(("127.0.0.1", 0))
         port = str(probe.getsockname()[1])
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
-               "-m", "comera_convert", "train", str(path), "--objective", "mlm", "--data", str(corpus),
-               "--steps", "6", "--seq-len", "32", "--batch-size", "2", "--lr-gates", "0.2",
-               "--early-steps", "3", "--save-steps", "6", "--target-ratio", "4", "--out", str(tmp_path / "ddp"), "--json"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(workers),
+               "--master_port", port, *arguments]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stdout[-1500:] + done.stderr[-3000:]
-    result = json.loads(done.stdout)  # --json: the main process prints the result, the other nothing
+    return done.stdout
+
+
+def train_command(path, corpus, out, objective: str = "mlm", *extra: str) -> list[str]:
+    """`comera train` of a short run that heads for ratio 4, as torchrun's workers start it."""
+    return ["-m", "comera_convert", "train", str(path), "--objective", objective, "--data", str(corpus),
+            "--steps", "6", "--seq-len", "32", "--batch-size", "2", "--lr-gates", "0.2", "--early-steps", "3",
+            "--save-steps", "3", "--target-ratio", "4", "--out", str(out), "--json", *extra]
+
+
+def test_two_process_ddp_over_gloo(tmp_path, tokenizer, corpus):
+    path = compressed(tmp_path, tokenizer)
+    # --json: the main process prints the result, the other nothing
+    result = json.loads(torchrun(*train_command(path, corpus, tmp_path / "ddp")))
     assert result["target_ratio"] == 4 and result["shortfall"] is None and result["steps"] == 6
     trained = comera_convert.from_pretrained(tmp_path / "ddp")
     # Both workers closed the same entries by the same importance (the end check compares them).
     assert 4.0 <= _dense_params(path) / count_params(trained) <= 4.0 * 1.02
     state = trained.config.quantization_config.to_dict()
     assert state["modules"]
+
+
+@pytest.mark.parametrize("case,objective", [("bert-mlm", "mlm"), ("llama-clm", "clm")])
+def test_fsdp_trains_as_ddp_does(tmp_path, tokenizer, corpus, case, objective):
+    path = compressed(tmp_path, tokenizer, case)
+    ddp = json.loads(torchrun(*train_command(path, corpus, tmp_path / "ddp", objective)))
+    fsdp = json.loads(torchrun(*train_command(path, corpus, tmp_path / "fsdp", objective, "--fsdp")))
+    assert fsdp["shortfall"] is None and fsdp["ratio_after"] == pytest.approx(ddp["ratio_after"])
+    # The same batches and the same averaged gradients: the same entries closed, the same values
+    # up to the order of the sums (reduce-scatter against all-reduce).
+    a = comera_convert.from_pretrained(tmp_path / "ddp").state_dict()
+    b = comera_convert.from_pretrained(tmp_path / "fsdp").state_dict()
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].shape == b[key].shape, key
+        assert torch.allclose(a[key], b[key], atol=1e-4), key
+    checkpoint = tmp_path / "fsdp" / "checkpoints" / "checkpoint-6"
+    assert (checkpoint / "optimizer_sharded").is_dir() and (checkpoint / "scheduler.pt").is_file()
+    assert sorted(p.name for p in checkpoint.glob("rng_state_*.pth")) == ["rng_state_0.pth", "rng_state_1.pth"]
+
+
+def test_fsdp_shards_the_model_and_resumes_exactly(tmp_path, tokenizer, corpus):
+    from pathlib import Path
+
+    path = compressed(tmp_path, tokenizer, "llama-clm", ratio=2)
+    settings = dict(objective="clm", data=str(corpus), **{**FAST, "batch_size": 2, "lr_gates": 1e-3},
+                    gradient_accumulation_steps=2, target_ratio=4.0)
+    worker = str(Path(__file__).with_name("fsdp_worker.py"))
+
+    def run(out: str, workers: int = 2, **extra):
+        torchrun(worker, str(path), str(tmp_path / out), json.dumps({**settings, **extra}), str(tmp_path / "held"),
+                 workers=workers)
+
+    run("straight")
+    for main in (True, False):  # each worker holds its half of everything but the gates
+        held = json.loads((tmp_path / f"held.{main}").read_text())
+        assert held["replicated"] == [".gates."]
+        assert held["local"] < 0.55 * held["total"]
+    run("resumed", stop_at=6)  # "interrupted" after checkpoint-6
+    shutil.copytree(tmp_path / "resumed" / "checkpoints", tmp_path / "on-three" / "checkpoints")
+    run("resumed", resume=True)
+    # The sharded optimizer state is read back into another number of shards.
+    run("on-three", workers=3, resume=True)
+    assert (tmp_path / "on-three" / "model.safetensors").is_file()
+    straight = comera_convert.from_pretrained(tmp_path / "straight").state_dict()
+    resumed = comera_convert.from_pretrained(tmp_path / "resumed").state_dict()
+    assert straight.keys() == resumed.keys()
+    for key in straight:
+        assert straight[key].shape == resumed[key].shape, key
+        assert torch.allclose(straight[key], resumed[key], atol=1e-6), key
+    a = json.loads((tmp_path / "straight" / "comera_history.json").read_text())
+    b = json.loads((tmp_path / "resumed" / "comera_history.json").read_text())
+    assert [h["stage"] for h in a] == [h["stage"] for h in b]
 
 
 def test_mlm_on_a_base_model_gets_a_head_tied_to_its_tt_embedding(tmp_path, tokenizer, corpus):

@@ -54,7 +54,7 @@ def _rich_progress_callback(total_steps: int, tokens_per_step: int):
 OPTION_NAMES = ["objective", "data", "steps", "seq_len", "batch_size", "gradient_accumulation_steps",
                 "lr_cores", "lr_gates", "lr_rest", "beta", "tau", "rank_multiple", "early_steps", "target_ratio",
                 "teacher", "logging_steps", "save_steps", "seed", "warmup_steps", "lr_scheduler_type", "dropout",
-                "document_starts", "gradient_checkpointing", "bf16", "compile"]
+                "document_starts", "gradient_checkpointing", "bf16", "compile", "fsdp"]
 
 
 @main.command()
@@ -97,6 +97,8 @@ OPTION_NAMES = ["objective", "data", "steps", "seq_len", "batch_size", "gradient
 @click.option("--seed", type=int, default=None)
 @click.option("--bf16/--no-bf16", default=None, help="bf16 autocast [default: on with CUDA].")
 @click.option("--compile", is_flag=True, default=None, help="torch.compile with CUDA graphs (fixed shapes).")
+@click.option("--fsdp", is_flag=True, default=None,
+              help="Shard parameters, gradients and optimizer state across the workers (FSDP2; under torchrun).")
 @click.option("--recipe", type=click.Path(dir_okay=False), default=None, help="A YAML training recipe.")
 @click.option("--out", type=click.Path(), required=True, help="Output directory (checkpoints go in out/checkpoints).")
 @click.option("--resume", is_flag=True, help="Resume from the last checkpoint in OUT/checkpoints.")
@@ -108,6 +110,7 @@ def train(model, recipe, out, resume, overwrite, as_json, max_shard_size, **valu
     """Continue pre-training a compressed MODEL while CoMERA adapts its TT ranks."""
     from ..recipes import train_options
     from ..training import train as run_training
+    from ..training.run import leave_process_group
 
     options = train_options(recipe, {k: values[k] for k in OPTION_NAMES})
     show_library_logs()  # what --objective auto picked, the stage switch, a missed target
@@ -115,6 +118,7 @@ def train(model, recipe, out, resume, overwrite, as_json, max_shard_size, **valu
     result = run_training(model, options, out, resume=resume, overwrite=overwrite,
                           callbacks=[_rich_progress_callback(options.steps, tokens)], command=command_line(),
                           max_shard_size=max_shard_size)
+    leave_process_group()
     if result.report is None:
         return  # not the main process of a distributed run
     if as_json:

@@ -18,9 +18,13 @@ Touch points:
      ``update_ep_plan`` before): where the checkpoint's weights guard is cleared.
   7. The quantizer registries (``register_quantizer`` / ``register_quantization_config``).
   8. ``Trainer._save_checkpoint`` / ``_save`` / ``_load_from_checkpoint``: overridden by
-     ComeraTrainer for truncated checkpoints (``TRAINER_HOOKS``).
+     ComeraTrainer for truncated checkpoints, and ``_load_optimizer_and_scheduler`` for sharded
+     ones (``TRAINER_HOOKS``), which also call ``_save_rng_state``.
   9. ``remove_tied_weights_from_state_dict`` / ``revert_weight_conversion``: the tensor names
      ``save_pretrained`` writes, for a streamed conversion that writes its checkpoint itself.
+ 10. ``PreTrainedModel._is_distributed_loading_by_transformers`` and ``config.distributed_config``:
+     set on a model `comera train --fsdp` sharded, so that the Trainer treats it as one sharded at
+     load time (no DDP wrap, no move; replicated gates broadcast and their gradients averaged).
 """
 
 from __future__ import annotations
@@ -29,10 +33,11 @@ import types
 
 from torch import nn
 
+from ..errors import ConfigError
 from ..layers import TiedTTHead, TTModule
 
 SUPPORTED_TRANSFORMERS = ">=5.1,<6"
-TRAINER_HOOKS = ("_save_checkpoint", "_save", "_load_from_checkpoint")
+TRAINER_HOOKS = ("_save_checkpoint", "_save", "_load_from_checkpoint", "_load_optimizer_and_scheduler")
 CONFIG_HOOKS = ("update_attn_implementation", "update_tp_plan", "update_ep_plan")
 
 
@@ -140,3 +145,27 @@ def saved_tensor_names(model: nn.Module) -> list[str]:
         raise NotImplementedError(f"{type(model).__name__} saves its tensors under other names than it holds them: "
                                   f"it cannot be written from a spool")
     return list(renamed)
+
+
+# 10 ----------------------------------------------------------------------------------------------
+def mark_sharded(model: nn.Module, workers: int) -> None:
+    """Tell transformers' Trainer that ``model`` is already sharded with FSDP2 across ``workers``
+    (touch 10): it then prepares it without a DDP wrap or a move, keeps the parameters FSDP does not
+    manage (the rank gates) equal on every worker, and defers gradient reduction over accumulation."""
+    from transformers.distributed import DistributedConfig
+
+    check_sharded_training()
+
+    model._is_distributed_loading_by_transformers = True
+    model.config.distributed_config = DistributedConfig(fsdp_size=workers, dp_replicate_size=1)
+
+
+def check_sharded_training() -> None:
+    """Refuse --fsdp, in one line, on a transformers whose Trainer cannot train a model sharded
+    before it (touch 10)."""
+    from transformers import PreTrainedModel, Trainer, __version__
+
+    if not (isinstance(getattr(PreTrainedModel, "is_distributed_loading_by_transformers", None), property)
+            and hasattr(Trainer, "_sync_replicated_trainable_parameters")):
+        raise ConfigError(f"--fsdp needs a transformers whose Trainer trains models sharded before it "
+                          f"(5.19 and later have it); this one is {__version__}")

@@ -31,6 +31,17 @@ def listed(params: nn.ParameterList | None) -> list[torch.Tensor]:
     return [] if params is None else list(params._parameters.values())
 
 
+def placed_like(mask: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """``mask`` ready to multiply ``tensor``: replicated on every worker when ``tensor`` is a shard
+    of a parameter split across workers (an FSDP2 DTensor; the gates stay whole), as is otherwise."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(tensor, DTensor):
+        return mask
+    mesh = tensor.device_mesh
+    return DTensor.from_local(mask, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
 class TTModule(nn.Module):
     """Cores of a TT matrix with optional rank gates. Subclasses define ``forward``."""
 
@@ -149,8 +160,9 @@ class TTModule(nn.Module):
             return
         for k, gate in enumerate(self.gates):
             is_open = (gate != 0).to(gate.dtype)  # a multiply, not a masked write: no host sync on CUDA
-            self.cores[k].mul_(is_open)
-            self.cores[k + 1].mul_(is_open.reshape(-1, *[1] * (self.cores[k + 1].dim() - 1)))
+            left, right = self.cores[k], self.cores[k + 1]
+            left.mul_(placed_like(is_open, left))
+            right.mul_(placed_like(is_open.reshape(-1, *[1] * (right.dim() - 1)), right))
 
     def kept_indices(self, threshold: float = 0.0) -> list[torch.Tensor]:
         """Per bond, the indices whose gate magnitude is above ``threshold`` (at least one)."""

@@ -5,6 +5,7 @@ rank_control  model size from the gates, its surrogate, pruning, the two stages
 budget        the late stage's size budget for --target-ratio
 objectives    mlm, clm, distill: heads, collators and the task loss
 trainer       ComeraTrainer (optimizer groups, staged loss, truncated checkpoints, resume)
+fsdp          --fsdp: FSDP2 sharding with whole gates, the gathered twin for saving, sharded AdamW state
 plot          the loss / ratio curve as a PNG
 run           train(): load -> data -> Trainer -> export
 

@@ -101,6 +101,9 @@ class TrainOptions:
     max_nan_steps: int = 5  # consecutive non-finite losses tolerated (each step skipped) before stopping
     bf16: bool | None = None  # None = on when CUDA is available
     compile: bool = False  # torch.compile with CUDA graphs ("reduce-overhead") for the model
+    # Shard the parameters, gradients and AdamW's state across the workers of a torchrun run (FSDP2);
+    # the rank gates stay whole on each. Off: DDP under torchrun, every worker holds everything.
+    fsdp: bool = False
     max_eval_blocks: int = 64
     version: int = 1
 
@@ -127,8 +130,9 @@ class TrainOptions:
             _check_share("dropout", self.dropout)
         if self.document_starts is not None:
             _check_share("document_starts", self.document_starts)
-        if not isinstance(self.gradient_checkpointing, bool):
-            raise ConfigError(expected("gradient_checkpointing as true or false", self.gradient_checkpointing))
+        for name in ("gradient_checkpointing", "fsdp"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(expected(f"{name} as true or false", getattr(self, name)))
         if not 0 < self.target_fraction <= 1:
             raise ConfigError(expected("target_fraction in (0, 1]", self.target_fraction))
         if self.target_ratio is not None and (not isinstance(self.target_ratio, (int, float))

@@ -158,8 +158,10 @@ def training_arguments(options: TrainOptions, output_dir: Path, **overrides):
         torch_compile=options.compile, torch_compile_mode="reduce-overhead" if options.compile else None,
         disable_tqdm=True, save_total_limit=2,
         **_checkpointing_arguments(TrainingArguments, options.gradient_checkpointing),
-        # Under torchrun on CPU, DDP runs over gloo (NCCL needs GPUs).
+        # Under torchrun on CPU, DDP and FSDP run over gloo (NCCL needs GPUs).
         ddp_backend="gloo" if not cuda and int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
+        # A model sharded before the Trainer saves its optimizer state itself (ComeraTrainer).
+        save_only_model=options.fsdp,
     )
     kwargs.update(overrides)
     return TrainingArguments(**kwargs)
@@ -247,6 +249,10 @@ def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, 
 
     out = Path(out)
     shard_kwargs(max_shard_size)  # a size that cannot work fails now, not after training
+    if options.fsdp:
+        from .fsdp import check_fsdp_possible
+
+        check_fsdp_possible()
     if not resume:
         check_output_dir(out, overwrite)
     session = open_session(model_name, options)
@@ -255,14 +261,15 @@ def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, 
     drawn = options.steps * options.batch_size * options.gradient_accumulation_steps
     blocks = pack(options.data, session.tokenizer, options.seq_len, drawn * READ_AHEAD, options.max_eval_blocks)
     collate = BlockCollator(session.objective, session.tokenizer, options.mlm_probability, options.seed)
-    resume_from = _resume_point(out / CHECKPOINTS, resume)
+    resume_from = _resume_point(out / CHECKPOINTS, resume, options.fsdp)
     args = training_arguments(options, out / CHECKPOINTS, **(training_overrides or {}))
     session.model.to(args.device)
     if session.teacher is not None:
         session.teacher.to(args.device)
     held_out = HeldOut(session, blocks.held_out, collate)
     before = held_out.measure()
-    trainer = _trainer(session, args, blocks, collate, callbacks)
+    sharding = _shard(session, resume_from) if options.fsdp else None
+    trainer = _trainer(session, args, blocks, collate, callbacks, sharding)
     if session.objective_note:
         logger.info(session.objective_note)  # once everything is in place, so that it never precedes an error
     trainer.train(resume_from_checkpoint=resume_from)
@@ -272,21 +279,42 @@ def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, 
     result = _result(out, session, trainer.state.global_step, ratio_before, before, after)
     if result.shortfall:
         logger.warning(result.shortfall)
+    trained = session.model if sharding is None else sharding.full_model(session.model)
     if trainer.is_world_process_zero():
-        result.report = export(session.model, trainer.history, out, source=session.path,
+        result.report = export(trained, trainer.history, out, source=session.path,
                                training=_record(result, options, held_out.targets is not None), command=command,
                                max_shard_size=max_shard_size)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()  # every worker returns once the trained model is written
     return result
 
 
-def _resume_point(checkpoints: Path, resume: bool) -> str | None:
+def _resume_point(checkpoints: Path, resume: bool, fsdp: bool) -> str | None:
+    from .fsdp import OPTIMIZER_FOLDER
+
     resume_from = last_checkpoint(checkpoints) if resume else None
     if resume and resume_from is None:
         raise ConfigError(f"--resume: {checkpoints} holds no checkpoint to resume from")
+    sharded = resume_from is not None and (Path(resume_from) / OPTIMIZER_FOLDER).is_dir()
+    if resume_from is not None and sharded != fsdp:
+        held = "sharded across workers (--fsdp)" if sharded else "whole (a run without --fsdp)"
+        raise ConfigError(f"--resume: {resume_from} holds its optimizer state {held}: resume it "
+                          f"{'with' if sharded else 'without'} --fsdp")
     return resume_from
 
 
-def _trainer(session: Session, args, blocks: Blocks, collate, callbacks) -> ComeraTrainer:
+def _shard(session: Session, resume_from: str | None):
+    """Shard the model across the workers (--fsdp); a resumed run's checkpoint is loaded first,
+    into the whole model."""
+    from .fsdp import Sharding
+    from .trainer import load_truncated_checkpoint
+
+    if resume_from is not None:
+        load_truncated_checkpoint(session.model, resume_from)
+    return Sharding(session.model)
+
+
+def _trainer(session: Session, args, blocks: Blocks, collate, callbacks, sharding=None) -> ComeraTrainer:
     from transformers.trainer_callback import PrinterCallback
 
     dataset = [{"input_ids": block, "index": i}
@@ -294,7 +322,7 @@ def _trainer(session: Session, args, blocks: Blocks, collate, callbacks) -> Come
     trainer = ComeraTrainer(model=session.model, args=args, train_dataset=dataset, data_collator=collate,
                             processing_class=session.tokenizer, comera_options=session.options,
                             controller=session.controller, objective=session.objective, teacher=session.teacher,
-                            callbacks=list(callbacks))
+                            sharding=sharding, callbacks=list(callbacks))
     # The caller's callbacks show progress (the CLI's rich bar) and the history JSON keeps every
     # step, so transformers' printer of raw log dicts stays out of the output.
     trainer.remove_callback(PrinterCallback)
@@ -350,6 +378,14 @@ def export(model, history: list[dict], out: Path, source: str, training: dict, c
     write_text_atomic(out / "comera_history.json", json.dumps(history, indent=1))
     plot_history(history, out / "training_curve.png")
     return report
+
+
+def leave_process_group() -> None:
+    """Take down the process group of a torchrun run (accelerate sets it up and leaves it), as the
+    process that owns it is done: a worker that exits with it still up may abort in gloo's threads
+    ("terminate called without an active exception")."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def check_replicas_agree(controller: RankController) -> None:

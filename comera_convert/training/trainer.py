@@ -8,7 +8,10 @@ What it adds to Trainer:
   * checkpoints are compressed checkpoints truncated to the open ranks, with the kept indices
     in comera_train_state.json, so resuming scatters them back into the full-rank layers and the
     optimizer state (saved at full rank by Trainer) still fits;
-  * non-finite losses skip their step with a warning and stop the run after a few in a row.
+  * non-finite losses skip their step with a warning and stop the run after a few in a row;
+  * under --fsdp (``sharding``), checkpoints are cut from the parameters gathered on the main
+    worker, and AdamW's state, the schedule and each worker's random state are saved beside them
+    (the Trainer saves none of these for a model sharded before it).
 """
 
 from __future__ import annotations
@@ -73,8 +76,9 @@ def truncated_copy(model, fold: bool):
 
 class ComeraTrainer(Trainer):
     def __init__(self, *args, comera_options, controller: RankController, objective: str, teacher=None,
-                 **kwargs):
+                 sharding=None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.sharding = sharding
         self.comera_options = comera_options
         self.controller = controller
         self.objective = objective
@@ -122,6 +126,8 @@ class ComeraTrainer(Trainer):
         # the model files are replaced into it one by one, atomically.
         folder.mkdir(parents=True, exist_ok=True)
         try:
+            if self.sharding is not None:
+                self._save_sharded_training_state(folder)  # before trainer_state.json marks it complete
             super()._save_checkpoint(model, trial)
         except OSError as err:
             if self.is_world_process_zero():
@@ -129,13 +135,33 @@ class ComeraTrainer(Trainer):
             raise ComeraError(f"could not write {folder.name} ({err.strerror or err}{f': {err.filename}' if err.filename else ''}): removed the partial "
                               f"checkpoint; the earlier complete ones are kept for --resume") from None
 
+    def _save_sharded_training_state(self, folder: Path) -> None:
+        """What the Trainer keeps for resuming, for a model sharded with FSDP: every worker writes its
+        part of AdamW's state and its random state; the main one the learning-rate schedule."""
+        from transformers.trainer import SCHEDULER_NAME
+
+        self.sharding.save_optimizer(self.model, self.optimizer, folder)
+        self._save_rng_state(str(folder))
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), folder / SCHEDULER_NAME)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if self.sharding is None or checkpoint is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        from transformers.trainer import SCHEDULER_NAME
+
+        self.sharding.load_optimizer(self.model, self.optimizer, Path(checkpoint))
+        self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / SCHEDULER_NAME, weights_only=True))
+
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         from ..hf.saving import save_compressed, write_text_atomic
 
+        model = self.accelerator.unwrap_model(self.model)
+        if self.sharding is not None:
+            model = self.sharding.full_model(model)  # every worker takes part in the gather
         if not self.args.should_save:
             return  # only the main process writes the model
         output_dir = output_dir or self.args.output_dir
-        model = self.accelerator.unwrap_model(self.model)
         export, kept = truncated_copy(model, fold=False)
         save_compressed(export, output_dir, overwrite=True)
         if self.processing_class is not None:
@@ -145,8 +171,8 @@ class ComeraTrainer(Trainer):
         write_text_atomic(Path(output_dir) / STATE_FILE, json.dumps(state))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        model = model or self.model
-        load_truncated_checkpoint(model, resume_from_checkpoint)
+        if self.sharding is None:  # a sharded model was loaded before it was sharded
+            load_truncated_checkpoint(model or self.model, resume_from_checkpoint)
         state = json.loads((Path(resume_from_checkpoint) / STATE_FILE).read_text())
         self.controller.state = RankState(**state["controller"])
         self.controller.sync_open()  # closed entries came back as zeros
