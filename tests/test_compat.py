@@ -131,7 +131,7 @@ def test_10_a_model_marked_sharded_is_neither_wrapped_nor_moved_by_the_trainer(t
     import pytest
 
     model = build("llama-clm")
-    compat.mark_sharded(model, workers=2)
+    compat.mark_sharded(model, workers=2, original_class=type(model))
     assert model.is_distributed_loading_by_transformers
     assert model.config.distributed_config.fsdp_size == 2 and model.config.distributed_config.dp_replicate_size == 1
     args = tf.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], save_only_model=True)
@@ -140,6 +140,27 @@ def test_10_a_model_marked_sharded_is_neither_wrapped_nor_moved_by_the_trainer(t
     # Why --fsdp saves AdamW's state itself: the Trainer keeps none for such a model.
     with pytest.raises(ValueError, match="save_only_model"):
         tf.Trainer(model=model, args=tf.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[]))
+
+
+def test_10_a_sharded_model_still_records_its_hidden_states(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from .tiny_models import inputs
+
+    model = build("bert")  # a base model records its hidden states itself (a sentence encoder, distilled)
+    expected = model(**inputs(), output_hidden_states=True).hidden_states
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        original = type(model)
+        fully_shard(model)  # the model's class is now FSDPBertModel
+        assert model(**inputs(), output_hidden_states=True).hidden_states is None  # transformers alone
+        compat.mark_sharded(model, workers=1, original_class=original)
+        hidden = model(**inputs(), output_hidden_states=True).hidden_states
+    finally:
+        dist.destroy_process_group()
+    assert len(hidden) == len(expected)
+    assert all(torch.allclose(a, b) for a, b in zip(hidden, expected))
 
 
 def test_10_a_transformers_without_it_is_refused_in_one_line(monkeypatch):

@@ -485,27 +485,21 @@ def train_command(path, corpus, out, objective: str = "mlm", *extra: str) -> lis
             "--save-steps", "3", "--target-ratio", "4", "--out", str(out), "--json", *extra]
 
 
-def test_two_process_ddp_over_gloo(tmp_path, tokenizer, corpus):
-    path = compressed(tmp_path, tokenizer)
+@pytest.mark.parametrize("case,objective", [("bert-mlm", "mlm"), ("llama-clm", "clm"), ("bert-mlm", "distill")])
+def test_two_process_ddp_and_fsdp_over_gloo_train_alike(tmp_path, tokenizer, corpus, case, objective):
+    path = compressed(tmp_path, tokenizer, case)
     # --json: the main process prints the result, the other nothing
-    result = json.loads(torchrun(*train_command(path, corpus, tmp_path / "ddp")))
-    assert result["target_ratio"] == 4 and result["shortfall"] is None and result["steps"] == 6
+    ddp = json.loads(torchrun(*train_command(path, corpus, tmp_path / "ddp", objective)))
+    assert ddp["target_ratio"] == 4 and ddp["shortfall"] is None and ddp["steps"] == 6
     trained = comera_convert.from_pretrained(tmp_path / "ddp")
     # Both workers closed the same entries by the same importance (the end check compares them).
     assert 4.0 <= _dense_params(path) / count_params(trained) <= 4.0 * 1.02
-    state = trained.config.quantization_config.to_dict()
-    assert state["modules"]
-
-
-@pytest.mark.parametrize("case,objective", [("bert-mlm", "mlm"), ("llama-clm", "clm")])
-def test_fsdp_trains_as_ddp_does(tmp_path, tokenizer, corpus, case, objective):
-    path = compressed(tmp_path, tokenizer, case)
-    ddp = json.loads(torchrun(*train_command(path, corpus, tmp_path / "ddp", objective)))
+    assert trained.config.quantization_config.to_dict()["modules"]
     fsdp = json.loads(torchrun(*train_command(path, corpus, tmp_path / "fsdp", objective, "--fsdp")))
     assert fsdp["shortfall"] is None and fsdp["ratio_after"] == pytest.approx(ddp["ratio_after"])
     # The same batches and the same averaged gradients: the same entries closed, the same values
     # up to the order of the sums (reduce-scatter against all-reduce).
-    a = comera_convert.from_pretrained(tmp_path / "ddp").state_dict()
+    a = trained.state_dict()
     b = comera_convert.from_pretrained(tmp_path / "fsdp").state_dict()
     assert a.keys() == b.keys()
     for key in a:

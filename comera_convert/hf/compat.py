@@ -24,7 +24,9 @@ Touch points:
      ``save_pretrained`` writes, for a streamed conversion that writes its checkpoint itself.
  10. ``PreTrainedModel._is_distributed_loading_by_transformers`` and ``config.distributed_config``:
      set on a model `comera train --fsdp` sharded, so that the Trainer treats it as one sharded at
-     load time (no DDP wrap, no move; replicated gates broadcast and their gradients averaged).
+     load time (no DDP wrap, no move; replicated gates broadcast and their gradients averaged);
+     and ``output_capturing._CAN_RECORD_REGISTRY``, keyed by class name, given the FSDP class's
+     entry (without it a sharded model returns no hidden states, and distillation fails).
 """
 
 from __future__ import annotations
@@ -148,16 +150,22 @@ def saved_tensor_names(model: nn.Module) -> list[str]:
 
 
 # 10 ----------------------------------------------------------------------------------------------
-def mark_sharded(model: nn.Module, workers: int) -> None:
+def mark_sharded(model: nn.Module, workers: int, original_class: type) -> None:
     """Tell transformers' Trainer that ``model`` is already sharded with FSDP2 across ``workers``
     (touch 10): it then prepares it without a DDP wrap or a move, keeps the parameters FSDP does not
-    manage (the rank gates) equal on every worker, and defers gradient reduction over accumulation."""
+    manage (the rank gates) equal on every worker, and defers gradient reduction over accumulation.
+    ``fully_shard`` gave the model a class of its own (FSDP<original_class>): the outputs the
+    original class records (hidden states, attentions) are registered for it too."""
     from transformers.distributed import DistributedConfig
+    from transformers.utils import output_capturing
 
     check_sharded_training()
-
     model._is_distributed_loading_by_transformers = True
     model.config.distributed_config = DistributedConfig(fsdp_size=workers, dp_replicate_size=1)
+    registry = output_capturing._CAN_RECORD_REGISTRY
+    recorded = dict.get(registry, str(original_class))
+    if recorded:
+        registry[model] = recorded
 
 
 def check_sharded_training() -> None:

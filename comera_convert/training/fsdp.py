@@ -96,12 +96,12 @@ class Sharding:
         self.twin = meta_twin(model) if dist.get_rank() == 0 else None
         device = next(model.parameters()).device
         mesh = init_device_mesh(device.type, (world_size(),))
-        gates = gate_parameters(model)
+        original_class, gates = type(model), gate_parameters(model)
         blocks = find_blocks(model)
         for block in (model.get_submodule(blocks) if blocks else ()):
             fully_shard(block, mesh=mesh, ignored_params=gates)
         fully_shard(model, mesh=mesh, ignored_params=gates)
-        mark_sharded(model, world_size())
+        mark_sharded(model, world_size(), original_class)
         give_back_free_memory()  # the whole parameters, freed once their shards were cut
         # FSDP2 warns that the model returns views, on which an in-place op would skip its backward
         # hook: the objectives only read the outputs.

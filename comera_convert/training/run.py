@@ -199,6 +199,8 @@ class Session:
 def open_session(model_name: str, options: TrainOptions) -> Session:
     """Load the compressed model, its tokenizer and (distilling) its teacher; resolve the objective
     and the options it implies; set up the rank controller. Every refusal happens here, before data."""
+    from transformers import set_seed
+
     from ..hf.loading import from_pretrained
 
     path = resolve(model_name)
@@ -207,6 +209,10 @@ def open_session(model_name: str, options: TrainOptions) -> Session:
     objective, note = pick_objective(options.objective, config, options.teacher or quantization.get("source"))
     encoder = objective == "distill" and resolve_objective("auto", config) == "mlm"
     options = options.for_objective(objective, encoder)
+    # Parameters the checkpoint lacks (a head or pooler the task adds) are initialized at random as
+    # the model loads: seeded, so that a run is repeatable and every worker starts from the same
+    # model (FSDP shards each worker's own values; DDP would broadcast the main one's).
+    set_seed(options.seed)
     model = from_pretrained(path, task=task_for(objective))
     if options.gradient_checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
         raise ConfigError(f"--gradient-checkpointing: {type(model).__name__} does not support activation "
