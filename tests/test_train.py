@@ -363,6 +363,19 @@ class StopAt(TrainerCallback):
             control.should_training_stop = True
 
 
+def assert_trained_alike(first, second, atol: float) -> None:
+    """Two trained outputs hold the same tensors (the same shapes, so the same entries closed; values
+    within ``atol``) and passed through the same stages."""
+    a = comera_convert.from_pretrained(first).state_dict()
+    b = comera_convert.from_pretrained(second).state_dict()
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].shape == b[key].shape, key
+        assert torch.allclose(a[key], b[key], atol=atol), key
+    stages = [[h["stage"] for h in json.loads((run / "comera_history.json").read_text())] for run in (first, second)]
+    assert stages[0] == stages[1]
+
+
 @pytest.mark.parametrize("target", [None, 4.0])
 def test_resume_continues_exactly(tmp_path, tokenizer, corpus, target):
     path = compressed(tmp_path, tokenizer, ratio=2)
@@ -372,15 +385,7 @@ def test_resume_continues_exactly(tmp_path, tokenizer, corpus, target):
     train(str(path), options, tmp_path / "straight")
     train(str(path), options, tmp_path / "resumed", callbacks=[StopAt(6)])  # "interrupted" after checkpoint-6
     train(str(path), options, tmp_path / "resumed", resume=True)
-    straight = comera_convert.from_pretrained(tmp_path / "straight").state_dict()
-    resumed = comera_convert.from_pretrained(tmp_path / "resumed").state_dict()
-    assert straight.keys() == resumed.keys()
-    for key in straight:
-        assert straight[key].shape == resumed[key].shape, key
-        assert torch.allclose(straight[key], resumed[key], atol=1e-5), key
-    a = json.loads((tmp_path / "straight" / "comera_history.json").read_text())
-    b = json.loads((tmp_path / "resumed" / "comera_history.json").read_text())
-    assert [h["stage"] for h in a] == [h["stage"] for h in b]
+    assert_trained_alike(tmp_path / "straight", tmp_path / "resumed", atol=1e-5)
 
 
 def test_non_finite_losses_skip_then_stop_keeping_the_last_checkpoint(tmp_path, tokenizer, corpus, monkeypatch):
@@ -499,12 +504,7 @@ def test_two_process_ddp_and_fsdp_over_gloo_train_alike(tmp_path, tokenizer, cor
     assert fsdp["shortfall"] is None and fsdp["ratio_after"] == pytest.approx(ddp["ratio_after"])
     # The same batches and the same averaged gradients: the same entries closed, the same values
     # up to the order of the sums (reduce-scatter against all-reduce).
-    a = trained.state_dict()
-    b = comera_convert.from_pretrained(tmp_path / "fsdp").state_dict()
-    assert a.keys() == b.keys()
-    for key in a:
-        assert a[key].shape == b[key].shape, key
-        assert torch.allclose(a[key], b[key], atol=1e-4), key
+    assert_trained_alike(tmp_path / "ddp", tmp_path / "fsdp", atol=1e-4)
     checkpoint = tmp_path / "fsdp" / "checkpoints" / "checkpoint-6"
     assert (checkpoint / "optimizer_sharded").is_dir() and (checkpoint / "scheduler.pt").is_file()
     assert sorted(p.name for p in checkpoint.glob("rng_state_*.pth")) == ["rng_state_0.pth", "rng_state_1.pth"]
@@ -533,15 +533,7 @@ def test_fsdp_shards_the_model_and_resumes_exactly(tmp_path, tokenizer, corpus):
     # The sharded optimizer state is read back into another number of shards.
     run("on-three", workers=3, resume=True)
     assert (tmp_path / "on-three" / "model.safetensors").is_file()
-    straight = comera_convert.from_pretrained(tmp_path / "straight").state_dict()
-    resumed = comera_convert.from_pretrained(tmp_path / "resumed").state_dict()
-    assert straight.keys() == resumed.keys()
-    for key in straight:
-        assert straight[key].shape == resumed[key].shape, key
-        assert torch.allclose(straight[key], resumed[key], atol=1e-6), key
-    a = json.loads((tmp_path / "straight" / "comera_history.json").read_text())
-    b = json.loads((tmp_path / "resumed" / "comera_history.json").read_text())
-    assert [h["stage"] for h in a] == [h["stage"] for h in b]
+    assert_trained_alike(tmp_path / "straight", tmp_path / "resumed", atol=1e-6)
 
 
 def test_mlm_on_a_base_model_gets_a_head_tied_to_its_tt_embedding(tmp_path, tokenizer, corpus):
