@@ -96,6 +96,31 @@ def test_a_failed_streamed_conversion_leaves_no_spool_and_no_output(tmp_path, mo
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dense"]
 
 
+def test_a_conversion_stopped_by_sigterm_removes_its_spool(tmp_path):
+    """kill, a job scheduler's stop: the command exits as on Ctrl-C, leaving nothing behind (by
+    default Python dies on SIGTERM without unwinding, and the hidden spool stayed)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    torch.manual_seed(0)  # enough layers that the conversion is still running when the spool appears
+    config = tf.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=24, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=1024)
+    tf.LlamaForCausalLM(config).save_pretrained(tmp_path / "dense")
+    command = [sys.executable, "-m", "comera_convert", "--quiet", "convert", str(tmp_path / "dense"), "--ratio", "4",
+               "--no-calibration", "--out", str(tmp_path / "tt")]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".tt.spool-*")) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, stderr.decode()[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dense"]
+
+
 def test_each_dense_layer_is_in_memory_only_while_it_is_decomposed(tmp_path, monkeypatch):
     build("llama-clm").save_pretrained(tmp_path / "dense")
     seen = []

@@ -7,7 +7,9 @@ lazily, so `comera --help` is instant. Library errors become one red line and ex
 from __future__ import annotations
 
 import logging
+import signal
 import sys
+import threading
 
 import click
 
@@ -30,6 +32,8 @@ class ComeraGroup(click.Group):
         return super().parse_args(ctx, args)
 
     def invoke(self, ctx: click.Context):
+        on_main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if on_main_thread else None
         try:
             return super().invoke(ctx)
         except ComeraError as err:
@@ -37,6 +41,16 @@ class ComeraGroup(click.Group):
 
             error_console().print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
             sys.exit(1)
+        finally:
+            if on_main_thread:
+                signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    """SIGTERM (kill, a job scheduler, torchrun stopping its workers) ends a command as Ctrl-C does:
+    the exit unwinds, so what it was writing (a conversion's spool, a temporary output folder) is
+    removed, where Python's default would leave it; the exit code is a plain SIGTERM's, 143."""
+    raise SystemExit(128 + signal.SIGTERM)
 
 
 @click.group(cls=ComeraGroup, context_settings={"help_option_names": ["-h", "--help"]})
