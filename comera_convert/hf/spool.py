@@ -121,17 +121,25 @@ def to_meta(module: nn.Module) -> None:
     """Move a module's tensors to the meta device, keeping shared parameters shared (``module.to``
     would give each place a parameter is used a meta parameter of its own, and tied weights, such as
     BERT's decoder bias, would no longer look tied when the names to save are chosen)."""
-    moved: dict[int, torch.Tensor] = {}
+    replace_tensors(module, lambda p: p if p.is_meta else meta_parameter(p),
+                    lambda b: b if b.is_meta else b.to("meta"))
+
+
+def replace_tensors(module: nn.Module, parameter, buffer=None) -> None:
+    """Put ``parameter(p)`` in place of every parameter p of ``module`` (and ``buffer(b)`` of every
+    buffer, when given); a tensor held in several places is replaced once, so tied ones stay tied."""
+    made: dict[int, torch.Tensor] = {}
     for sub in module.modules():
-        for slots, make in ((sub._parameters, _meta_parameter), (sub._buffers, lambda t: t.to("meta"))):
+        for slots, make in ((sub._parameters, parameter), (sub._buffers, buffer)):
             for key, tensor in slots.items():
-                if tensor is not None and not tensor.is_meta:
-                    if id(tensor) not in moved:
-                        moved[id(tensor)] = make(tensor)
-                    slots[key] = moved[id(tensor)]
+                if tensor is not None and make is not None:
+                    if id(tensor) not in made:
+                        made[id(tensor)] = make(tensor)
+                    slots[key] = made[id(tensor)]
 
 
-def _meta_parameter(param: nn.Parameter) -> nn.Parameter:
+def meta_parameter(param: nn.Parameter) -> nn.Parameter:
+    """A parameter of ``param``'s shape and dtype on the meta device (no storage)."""
     return nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
 
 

@@ -30,6 +30,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..hf.sequential import find_blocks
+from ..hf.spool import meta_parameter, replace_tensors
 from ..hf.streaming import give_back_free_memory
 
 OPTIMIZER_FOLDER = "optimizer_sharded"  # in a Trainer checkpoint, beside the truncated model
@@ -58,9 +59,7 @@ def gate_parameters(model: nn.Module) -> set[nn.Parameter]:
 def meta_twin(model: nn.Module) -> nn.Module:
     """A copy of ``model`` whose parameters are on the meta device (tied ones still tied) and whose
     buffers are copied: the skeleton the gathered weights are put into."""
-    memo = {id(p): nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
-            for p in model.parameters()}
-    return copy.deepcopy(model, memo)
+    return copy.deepcopy(model, {id(p): meta_parameter(p) for p in model.parameters()})
 
 
 def fill(twin: nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -69,17 +68,14 @@ def fill(twin: nn.Module, state: dict[str, torch.Tensor]) -> None:
     names: dict[int, list[str]] = {}
     for name, param in twin.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
-    filled: dict[int, nn.Parameter] = {}
-    for prefix, module in twin.named_modules(remove_duplicate=False):
-        for key, param in module._parameters.items():
-            if param is None:
-                continue
-            if id(param) not in filled:
-                found = next((state[n] for n in names[id(param)] if n in state), None)
-                if found is None:
-                    raise KeyError(f"the gathered state has no {f'{prefix}.{key}'.lstrip('.')}")
-                filled[id(param)] = nn.Parameter(found, requires_grad=param.requires_grad)
-            module._parameters[key] = filled[id(param)]
+
+    def gathered(param: nn.Parameter) -> nn.Parameter:
+        found = next((state[n] for n in names[id(param)] if n in state), None)
+        if found is None:
+            raise KeyError(f"the gathered state has no {names[id(param)][0]}")
+        return nn.Parameter(found, requires_grad=param.requires_grad)
+
+    replace_tensors(twin, gathered)
 
 
 class Sharding:
