@@ -155,11 +155,11 @@ def mark_sharded(model: nn.Module, workers: int, original_class: type) -> None:
     (touch 10): it then prepares it without a DDP wrap or a move, keeps the parameters FSDP does not
     manage (the rank gates) equal on every worker, and defers gradient reduction over accumulation.
     ``fully_shard`` gave the model a class of its own (FSDP<original_class>): the outputs the
-    original class records (hidden states, attentions) are registered for it too."""
+    original class records (hidden states, attentions) are registered for it too. This transformers
+    has the Trainer's support for such models (``check_sharded_training``, run before loading)."""
     from transformers.distributed import DistributedConfig
     from transformers.utils import output_capturing
 
-    check_sharded_training()
     model._is_distributed_loading_by_transformers = True
     model.config.distributed_config = DistributedConfig(fsdp_size=workers, dp_replicate_size=1)
     registry = output_capturing._CAN_RECORD_REGISTRY

@@ -80,7 +80,7 @@ def fill(twin: nn.Module, state: dict[str, torch.Tensor]) -> None:
 
 class Sharding:
     """A model sharded with FSDP2 across the workers of the run, and (on the main worker) its
-    unsharded twin for saving."""
+    unsharded twin for saving. The run was checked first (``check_fsdp_possible``)."""
 
     def __init__(self, model: nn.Module):
         from torch.distributed.device_mesh import init_device_mesh
@@ -88,7 +88,6 @@ class Sharding:
 
         from ..hf.compat import mark_sharded
 
-        check_fsdp_possible()
         self.twin = meta_twin(model) if dist.get_rank() == 0 else None
         device = next(model.parameters()).device
         mesh = init_device_mesh(device.type, (world_size(),))

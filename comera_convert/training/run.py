@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -145,6 +144,8 @@ def set_dropout(model: torch.nn.Module, p: float) -> None:
 def training_arguments(options: TrainOptions, output_dir: Path, **overrides):
     from transformers import TrainingArguments
 
+    from .fsdp import world_size
+
     options.require_resolved("training_arguments")
     cuda = torch.cuda.is_available()
     bf16 = options.bf16 if options.bf16 is not None else cuda
@@ -159,7 +160,7 @@ def training_arguments(options: TrainOptions, output_dir: Path, **overrides):
         disable_tqdm=True, save_total_limit=2,
         **_checkpointing_arguments(TrainingArguments, options.gradient_checkpointing),
         # Under torchrun on CPU, DDP and FSDP run over gloo (NCCL needs GPUs).
-        ddp_backend="gloo" if not cuda and int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
+        ddp_backend="gloo" if not cuda and world_size() > 1 else None,
         # A model sharded before the Trainer saves its optimizer state itself (ComeraTrainer).
         save_only_model=options.fsdp,
     )
