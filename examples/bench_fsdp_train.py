@@ -19,19 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_stream_convert import SHAPES, add_tokenizer
-
-
-def generate(folder: Path, size: str) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if (folder / "config.json").is_file():
-        return
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(max_position_embeddings=2048, tie_word_embeddings=False, **SHAPES[size])
-                     ).save_pretrained(folder)
-    add_tokenizer(folder)
+from bench_stream_convert import SHAPES, add_tokenizer, generate
 
 
 def local_bytes(tensors) -> int:
@@ -106,7 +94,8 @@ def main() -> None:
     parser.add_argument("--modes", default="ddp,fsdp", help="which runs, comma-separated")
     args = parser.parse_args()
     source, tt = args.work / f"llama-{args.size}-f32", args.work / f"llama-{args.size}-tt4"
-    generate(source, args.size)
+    generate(source, args.size, dtype="float32")
+    add_tokenizer(source)
     if not (tt / "config.json").is_file():
         subprocess.run([sys.executable, "-m", "comera_convert", "--quiet", "convert", str(source), "--ratio", "4",
                         "--no-calibration", "--out", str(tt)], check=True)

@@ -25,7 +25,7 @@ LOAD_SAVE = ("import sys, torch; from transformers import AutoModelForCausalLM; 
              "AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16).save_pretrained(sys.argv[2])")
 
 
-def generate(folder: Path, size: str) -> None:
+def generate(folder: Path, size: str, dtype: str = "bfloat16") -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -33,7 +33,7 @@ def generate(folder: Path, size: str) -> None:
         return
     torch.manual_seed(0)
     config = LlamaConfig(max_position_embeddings=2048, tie_word_embeddings=False, **SHAPES[size])
-    torch.set_default_dtype(torch.bfloat16)
+    torch.set_default_dtype(getattr(torch, dtype))
     LlamaForCausalLM(config).save_pretrained(folder)
 
 
