@@ -3,11 +3,13 @@ there): a transformers release that moves one fails here, by name."""
 
 import inspect
 
+import pytest
 import torch
 import transformers as tf
 from transformers.quantizers import HfQuantizer
 
 import comera_convert
+from comera_convert.errors import ConfigError
 from comera_convert.hf import compat
 from comera_convert.hf.quantizer import ComeraQuantizer
 from comera_convert.layers import TiedTTHead
@@ -127,9 +129,45 @@ def test_9_the_names_save_pretrained_writes_are_known_before_writing(tmp_path):
     assert len(saved_tensor_names(model)) < len(model.state_dict())
 
 
-def test_10_a_model_marked_sharded_is_neither_wrapped_nor_moved_by_the_trainer(tmp_path):
-    import pytest
+def test_9_names_are_known_on_the_meta_device_with_a_reordered_embedding(tmp_path):
+    """A streamed conversion asks for the names of a meta model whose embedding keeps its rows in
+    another order (a ``row_of_token`` buffer): releases before 5.14 looked meta buffers up as
+    parameters and failed."""
+    from safetensors import safe_open
 
+    from comera_convert.hf.compat import saved_tensor_names
+    from comera_convert.hf.spool import to_meta
+    from comera_convert.layers import TTEmbedding
+
+    model = build("bert-mlm")
+    comera_convert.convert(model, ratio=2, targets=["bert.encoder.*"])
+    words = model.bert.embeddings.word_embeddings
+    model.bert.embeddings.word_embeddings = TTEmbedding.from_embedding(
+        words, rank=4, token_order=torch.randperm(words.num_embeddings, generator=torch.Generator().manual_seed(0)))
+    model.save_pretrained(tmp_path)
+    with safe_open(tmp_path / "model.safetensors", "pt") as stored:
+        written = sorted(stored.keys())
+    assert "bert.embeddings.word_embeddings.row_of_token" in written
+    to_meta(model)
+    assert sorted(saved_tensor_names(model)) == written
+
+
+def _trains_sharded_models() -> bool:
+    try:
+        compat.check_sharded_training()
+    except ConfigError:
+        return False
+    return True
+
+
+# Touch 10 exists from transformers 5.19 (and torch 2.6); before them --fsdp is refused in one line.
+needs_sharded_trainer = pytest.mark.skipif(
+    not _trains_sharded_models(),
+    reason=f"transformers {tf.__version__} / torch {torch.__version__} cannot train models sharded before the Trainer")
+
+
+@needs_sharded_trainer
+def test_10_a_model_marked_sharded_is_neither_wrapped_nor_moved_by_the_trainer(tmp_path):
     model = build("llama-clm")
     compat.mark_sharded(model, workers=2, original_class=type(model))
     assert model.is_distributed_loading_by_transformers
@@ -142,6 +180,7 @@ def test_10_a_model_marked_sharded_is_neither_wrapped_nor_moved_by_the_trainer(t
         tf.Trainer(model=model, args=tf.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[]))
 
 
+@needs_sharded_trainer
 def test_10_a_sharded_model_still_records_its_hidden_states(tmp_path):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -164,11 +203,7 @@ def test_10_a_sharded_model_still_records_its_hidden_states(tmp_path):
 
 
 def test_10_a_transformers_without_it_is_refused_in_one_line(monkeypatch):
-    import pytest
-
-    from comera_convert.errors import ConfigError
-
-    monkeypatch.delattr(tf.Trainer, "_sync_replicated_trainable_parameters")
+    monkeypatch.delattr(tf.Trainer, "_sync_replicated_trainable_parameters", raising=False)
     with pytest.raises(ConfigError, match=f"5.19 and later have it\\); this one is {tf.__version__}"):
         compat.check_sharded_training()
 

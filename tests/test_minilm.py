@@ -73,6 +73,25 @@ def test_cli_convert_report_and_fresh_process_load(minilm_tt4, tmp_path):
     assert torch.allclose(loaded, expected, rtol=1e-4, atol=1e-5)
 
 
+def test_the_readme_conversion_loads_equal_two_ways(tmp_path):
+    """`comera convert minilm --ratio 4` as the README runs it, calibrated, so its word embedding keeps
+    its rows in frequency order (a buffer, written by the streaming spool), loads to equal outputs
+    through AutoModel and comera_convert.from_pretrained."""
+    from safetensors import safe_open
+    from transformers import AutoModel, AutoTokenizer
+
+    out = tmp_path / "minilm-tt4"
+    done = subprocess.run(CLI + ["convert", "minilm", "--ratio", "4", "--calibration-sequences", "16",
+                                 "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    with safe_open(out / "model.safetensors", "pt") as stored:
+        assert "embeddings.word_embeddings.row_of_token" in stored.keys()
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    through_auto = embed(AutoModel.from_pretrained(out).eval(), tokenizer)
+    through_ours = embed(comera_convert.from_pretrained(out).eval(), tokenizer)
+    assert torch.equal(through_auto, through_ours)
+
+
 def held_out_texts(source="python-stdlib", count=24):
     from comera_convert.text import HELD_OUT_EVERY, documents
 

@@ -41,6 +41,19 @@ class ComeraGroup(click.Group):
 
             error_console().print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
             sys.exit(1)
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except Exception as err:  # not foreseen: a dependency that moved, or a bug of ours
+            from rich.markup import escape
+
+            from .console import error_console
+            from .failures import describe_failure, show_traceback
+
+            if show_traceback():
+                raise
+            error_console().print(f"[bold red]error:[/] {escape(describe_failure(err))}", highlight=False,
+                                  soft_wrap=True)
+            sys.exit(1)
         finally:
             if on_main_thread:
                 signal.signal(signal.SIGTERM, previous)

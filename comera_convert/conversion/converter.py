@@ -23,6 +23,7 @@ from .records import tie_head
 from .report import ConversionReport, describe
 from .strategies import STRATEGIES, Allocation, AllocationRequest
 from .targets import find_candidates
+from ..layers.swap import set_submodule
 
 
 def count_params(model: nn.Module) -> int:
@@ -133,7 +134,7 @@ def swap_in(model: nn.Module, candidates, specs, options: ConvertOptions, calibr
                                        **kwargs)
             if calibration is not None:
                 correct_bias(new, dense_weight_of(candidate.module)[0], candidate.name, calibration)
-        model.set_submodule(candidate.name, new)
+        set_submodule(model, candidate.name, new)
         if load is not None:  # streaming: the dense weight read for this layer is not needed again
             candidate.module.to("meta")
         if release is not None:

@@ -15,6 +15,7 @@ from torch import nn
 from ..errors import ModelLoadError, expected
 from ..layers import TiedTTHead, TTEmbedding, TTLinear, TTModule
 from ..tt.spec import TTSpec
+from ..layers.swap import set_submodule
 
 KINDS = ("linear", "embedding", "tied_head")
 
@@ -81,7 +82,7 @@ def tie_head(model: nn.Module, name: str, record: dict) -> TiedTTHead:
     old = model.get_submodule(name)
     bias = getattr(old, "bias", None) if record.get("bias") else None
     head = TiedTTHead(embedding, bias=bias)
-    model.set_submodule(name, head)
+    set_submodule(model, name, head)
     return head
 
 
@@ -115,7 +116,7 @@ def build_from_records(model: nn.Module, records: dict[str, dict], dtype=None, d
         _check(record, name)
         target = resolve_name(model, name)
         if record["kind"] != "tied_head" and target is not None:
-            model.set_submodule(target, module_from_record(record, name, dtype=dtype, device=device))
+            set_submodule(model, target, module_from_record(record, name, dtype=dtype, device=device))
     for name, record in records.items():
         target = resolve_name(model, name)
         if record["kind"] == "tied_head" and target is not None:
@@ -135,7 +136,7 @@ def tie_heads_to_converted_embeddings(model: nn.Module) -> None:
     embedding, head = get_in(), get_out()
     if isinstance(embedding, TTEmbedding) and isinstance(head, nn.Linear):
         name = next(n for n, m in model.named_modules() if m is head)
-        model.set_submodule(name, TiedTTHead(embedding, bias=head.bias))
+        set_submodule(model, name, TiedTTHead(embedding, bias=head.bias))
 
 
 def tensor_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:

@@ -12,6 +12,7 @@ from ..errors import ModelLoadError
 from .checkpoint_check import read_header
 from .compat import forget_compression
 from .config import QUANT_METHOD, compression_of
+from ..layers.swap import set_submodule
 
 
 def is_compressed_dir(path: str | os.PathLike) -> bool:
@@ -75,9 +76,9 @@ def decompress_model(model: nn.Module) -> nn.Module:
     heads = []
     for name, module in list(model.named_modules()):
         if isinstance(module, TTLinear):
-            model.set_submodule(name, _dense_linear(module))
+            set_submodule(model, name, _dense_linear(module))
         elif isinstance(module, TTEmbedding):
-            model.set_submodule(name, _dense_embedding(module))
+            set_submodule(model, name, _dense_embedding(module))
         elif isinstance(module, TiedTTHead):
             heads.append((name, module, name_of[id(module.embedding)]))
     for name, head, embedding_name in heads:
@@ -87,6 +88,6 @@ def decompress_model(model: nn.Module) -> nn.Module:
         linear.weight = embedding.weight
         if head.bias is not None:
             linear.bias = head.bias
-        model.set_submodule(name, linear)
+        set_submodule(model, name, linear)
     forget_compression(model)
     return model

@@ -26,6 +26,7 @@ from ..conversion.calibration import CalibrationPlan, Recorder, empty_statistics
 from ..conversion.targets import Candidate
 from .spool import to_meta
 from .streaming import Streamed, load_module, load_the_rest
+from ..layers.swap import set_submodule
 
 
 class StopForward(Exception):
@@ -160,13 +161,13 @@ class SequentialCalibration:
             return
         self._load_outside()
         stack = self.stack
-        self.model.set_submodule(self.blocks, nn.ModuleList([Replay(outputs)]))
+        set_submodule(self.model, self.blocks, nn.ModuleList([Replay(outputs)]))
         try:
             stops = [m.register_forward_pre_hook(self._stop_at_meta) for m in self.model.modules()
                      if not isinstance(m, (nn.ModuleList, Replay))]
             self._recorded_pass(waiting, stops)
         finally:
-            self.model.set_submodule(self.blocks, stack)
+            set_submodule(self.model, self.blocks, stack)
 
     def _recorded_pass(self, candidates: list[Candidate], hooks: list) -> None:
         """Every calibration batch through the model, ``candidates``' inputs recorded; ``hooks``

@@ -34,8 +34,10 @@ def listed(params: nn.ParameterList | None) -> list[torch.Tensor]:
 def placed_like(mask: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     """``mask`` ready to multiply ``tensor``: replicated on every worker when ``tensor`` is a shard
     of a parameter split across workers (an FSDP2 DTensor; the gates stay whole), as is otherwise."""
-    from torch.distributed.tensor import DTensor, Replicate
-
+    try:
+        from torch.distributed.tensor import DTensor, Replicate
+    except ImportError:  # torch 2.4: no public DTensor, so no --fsdp and no shards
+        return mask
     if not isinstance(tensor, DTensor):
         return mask
     mesh = tensor.device_mesh

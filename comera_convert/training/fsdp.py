@@ -42,13 +42,19 @@ def world_size() -> int:
 
 
 def check_fsdp_possible() -> None:
-    """--fsdp splits the model across workers: refuse a single process, and a transformers whose
-    Trainer cannot train a model sharded before it."""
+    """--fsdp splits the model across workers: refuse a single process, a torch without FSDP2's
+    ``fully_shard`` (public from 2.6) and a transformers whose Trainer cannot train a model sharded
+    before it."""
     from ..hf.compat import check_sharded_training
 
     if world_size() < 2:
         raise ConfigError("--fsdp shards the model across workers: start the run under torchrun with two or "
                           "more processes (torchrun --nproc_per_node N -m comera_convert train ... --fsdp)")
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"--fsdp shards with FSDP2's fully_shard, which torch has from 2.6; this one is "
+                          f"{torch.__version__}") from None
     check_sharded_training()
 
 

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The integration tests at the ends of the dependency ranges pyproject.toml declares, each in a
+# fresh virtual environment of its own (CI runs this after the README's test command):
+#
+#   lowest  torch 2.4.0 and transformers 5.1.0, the declared lower bounds
+#   5.3     transformers 5.3.0, what model2vec[distill] pins, with the CPU torch these machines carry
+#   newest  the newest torch and transformers releases the index serves inside the ranges
+#
+#   tools/test_dependency_ends.sh                # all three
+#   ENDS="lowest" tools/test_dependency_ends.sh  # one of them
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ENDS=${ENDS:-"lowest 5.3 newest"}
+# What the README's commands go through: conversion (streamed and in memory), the three loading
+# ways, saving, carried files, report, eval, train and decompress from the CLI, the real MiniLM.
+INTEGRATION=(tests/test_compat.py tests/test_checkpoint.py tests/test_convert.py tests/test_serving.py
+             tests/test_carry.py tests/test_streaming.py tests/test_cli.py tests/test_failures.py
+             tests/test_minilm.py)
+
+newest() {  # the newest release of $1 whose version starts with $2
+    pip index versions "$1" 2>/dev/null | sed -n "s/^Available versions: //p" | tr ',' '\n' \
+        | sed 's/^ *//' | grep -E "^$2" | grep -v '+' | head -1
+}
+
+for end in $ENDS; do
+    case $end in
+        lowest) torch=2.4.0; transformers=5.1.0; tests=("${INTEGRATION[@]}") ;;
+        5.3) torch=2.13.0; transformers=5.3.0; tests=(tests/test_compat.py tests/test_failures.py tests/test_minilm.py) ;;
+        newest) torch=$(newest torch 2); transformers=$(newest transformers 5); tests=("${INTEGRATION[@]}") ;;
+        *) echo "unknown end $end (lowest, 5.3, newest)" >&2; exit 2 ;;
+    esac
+    env="${TMPDIR:-/tmp}/comera-ends-$end"
+    rm -rf "$env"
+    python -m venv "$env"
+    echo "== $end: torch $torch, transformers $transformers"
+    start=$SECONDS
+    "$env/bin/pip" install -q --disable-pip-version-check "torch==$torch" "transformers==$transformers" -e ".[dev]" \
+        >"$env.log" 2>&1 || { tail -30 "$env.log"; exit 1; }
+    "$env/bin/python" -c "import torch, transformers; print('installed torch', torch.__version__, \
+'transformers', transformers.__version__, 'in', $SECONDS - $start, 's')"
+    "$env/bin/python" -m pytest -q -p no:cacheprovider "${tests[@]}"
+    rm -rf "$env" "$env.log"
+done
