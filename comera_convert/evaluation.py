@@ -6,7 +6,10 @@ own, and the worst one is named, so that a model fitted to one kind of text show
 
 encoders   mean and minimum cosine of sentence embeddings, and nearest-neighbour agreement (is
            each text's nearest neighbour the same under both models); pooled as the checkpoint's
-           sentence-transformers config says (modules.json, its Pooling folder), else by the mean
+           sentence-transformers config says (modules.json, its Pooling folder), else by the mean;
+           and the task: retrieval (recall@1, MRR; ``retrieval.py``) of each passage's rest by its
+           first sentence among all the domain's passages, or of the documents of a JSONL file of
+           query/document pairs, with the share of the dense model's recall@1 kept
 masked LMs masked-token loss and accuracy of both models (the same deterministic masks)
 causal LMs perplexity of both models
 """
@@ -23,9 +26,13 @@ from .errors import ConfigError
 from .text import CORPORA, documents, is_held_out
 from .hf.sentence_config import read_pipeline, sentence_embeddings
 from .progress import Progress, no_progress
+from .retrieval import kept, model_retrieval, pairs_from_texts, read_pairs, retrieval_scores
 from .training.objectives import BlockCollator
 
 DEFAULT_DOMAINS = CORPORA  # english and python-stdlib: prose and code
+# Held-out passages read per pair asked for: many passages have no first sentence that splits off
+# (code, lists, headings), and the pairs of a domain are its first passages that do.
+PASSAGES_PER_PAIR = 8
 
 
 def held_out_texts(source: str, count: int) -> list[str]:
@@ -96,11 +103,21 @@ def domain_batch(tokenizer, source: str, texts: int, seq_len: int) -> dict:
     return tokenizer(sample, padding=True, truncation=True, max_length=seq_len, return_tensors="pt")
 
 
-def domain_metrics(compressed, reference, tokenizer, kind: str, batch, pooling: str = "mean") -> dict:
-    """The comparison on one domain's tokenized texts (see the module docstring for what is measured)."""
+def domain_pairs(source: str, count: int) -> list[tuple[str, str]]:
+    """Up to ``count`` query/document pairs of a domain's held-out passages (``pairs_from_texts``)."""
+    return pairs_from_texts(held_out_texts(source, PASSAGES_PER_PAIR * count), count)
+
+
+def domain_metrics(compressed, reference, tokenizer, kind: str, batch, pooling: str = "mean",
+                   task: "Task | None" = None) -> dict:
+    """The comparison on one domain's tokenized texts (see the module docstring for what is
+    measured); ``task``: the domain's pairs and the dense model's scores on them."""
     metrics = {"texts": int(batch["input_ids"].shape[0])}
     if kind != "clm":
         metrics.update(encoder_metrics(compressed, reference, batch, pooling))
+    if task is not None:
+        metrics["pairs"] = len(task.pairs)
+        metrics.update(kept(model_retrieval(compressed, tokenizer, task.pairs, task.seq_len, pooling), task.dense))
     if kind in ("mlm", "clm"):
         collate = BlockCollator(kind, tokenizer, 0.15)
         blocks = [{"input_ids": ids[: int(mask.sum())], "index": -1 - i}
@@ -114,6 +131,15 @@ def domain_metrics(compressed, reference, tokenizer, kind: str, batch, pooling: 
             if kind == "clm":
                 metrics[f"{name}_perplexity"] = math.exp(min(loss, 50.0))
     return metrics
+
+
+class Task:
+    """One domain's retrieval pairs and the dense model's scores on them (computed once, shared by
+    the compressed model and every baseline)."""
+
+    def __init__(self, pairs: list[tuple[str, str]], reference, tokenizer, seq_len: int, pooling: str):
+        self.pairs, self.seq_len = pairs, seq_len
+        self.dense = model_retrieval(reference, tokenizer, pairs, seq_len, pooling)
 
 
 def worst_domain(domains: dict[str, dict]) -> str:
@@ -143,10 +169,43 @@ def baseline_models(reference) -> dict:
     return {"bfloat16 storage": copy.deepcopy(reference).to(torch.bfloat16), "int8 linears (dynamic)": int8}
 
 
+MODEL2VEC_MISSING = ("Model2Vec baseline skipped: it needs model2vec's distillation, "
+                     "pip install 'model2vec[distill]' (which pins transformers below 5.4)")
+
+
+class StaticBaseline:
+    """Model2Vec's static embeddings distilled from the dense source (each token's output embedding,
+    reduced by PCA, weighted by token frequency): no transformer at all, as many parameters as the
+    compressed model (the PCA width is parameters / vocabulary)."""
+
+    def __init__(self, source_path, parameters: int, vocab_size: int, width: int):
+        from model2vec.distill import distill
+
+        dims = max(1, min(width, round(parameters / vocab_size)))
+        self.model = distill(model_name=str(source_path), pca_dims=dims, device="cpu")
+        self.label = f"Model2Vec, {dims} dims"
+
+    def scores(self, pairs: list[tuple[str, str]]) -> dict:
+        queries, documents = zip(*pairs)
+        return retrieval_scores(*(torch.from_numpy(self.model.encode(list(texts))) for texts in (queries, documents)))
+
+
+def static_baseline(source_path, compressed, config) -> StaticBaseline | None:
+    """The Model2Vec peer, or None where model2vec's distillation is not installed."""
+    try:
+        import model2vec.distill  # noqa: F401
+    except ImportError:
+        return None
+    parameters = sum(p.numel() for p in compressed.parameters())
+    return StaticBaseline(source_path, parameters, config["vocab_size"], config["hidden_size"])
+
+
 def evaluate(compressed_name: str, reference_name: str | None = None, data=None, texts: int = 64,
-             seq_len: int = 128, baselines: bool = False, progress: Progress = no_progress) -> dict:
+             seq_len: int = 128, baselines: bool = False, progress: Progress = no_progress,
+             pairs=None) -> dict:
     """Metrics of a compressed checkpoint against its dense reference (the recorded source by
-    default), per domain: the built-in corpora's held-out splits and ``data`` (one source or a list).
+    default), per domain: the built-in corpora's held-out splits, ``data`` (one source or a list)
+    and ``pairs`` (JSONL files of query/document pairs, a domain each, named by the file).
     ``baselines``: also the same metrics of ``baseline_models`` against the reference."""
     from .hf.config import compression_of
     from .hf.loading import from_pretrained
@@ -167,15 +226,31 @@ def evaluate(compressed_name: str, reference_name: str | None = None, data=None,
     reference.eval()
     _check_match(compressed, reference, source)
     tokenizer = load_tokenizer(path, "comera eval")
+    pair_files = [pairs] if isinstance(pairs, (str, Path)) else list(pairs or [])
+    if pair_files and kind == "clm":
+        raise ConfigError("--pairs scores retrieval by sentence embeddings, which causal LMs are not "
+                          "evaluated by: their domains report perplexity")
     batches = {name: domain_batch(tokenizer, name, texts, seq_len) for name in sources}  # read once
     pipeline = read_pipeline(path)  # a sentence-transformers model pools as its own config says
     pooling = pipeline.pooling if pipeline else "mean"
+    tasks = {}
+    if kind != "clm":
+        found = {name: domain_pairs(name, texts) for name in sources}
+        for file in pair_files:
+            name = _pair_domain_name(file, found)
+            found[name] = read_pairs(file, texts)
+            batches[name] = tokenizer([document for _, document in found[name]], padding=True, truncation=True,
+                                      max_length=seq_len, return_tensors="pt")
+        for index, (name, domain) in enumerate(found.items()):
+            progress(f"dense retrieval on {name}", index, len(found))
+            if len(domain) >= 2:  # one pair is no ranking: such a domain reports cosines alone
+                tasks[name] = Task(domain, reference, tokenizer, seq_len, pooling)
 
     def per_domain(model, label="") -> dict:
         measured = {}
         for index, (name, batch) in enumerate(batches.items()):
             progress(f"measuring {label}{name}", index, len(batches))
-            measured[name] = domain_metrics(model, reference, tokenizer, kind, batch, pooling)
+            measured[name] = domain_metrics(model, reference, tokenizer, kind, batch, pooling, tasks.get(name))
         return measured
 
     domains = per_domain(compressed)
@@ -184,7 +259,21 @@ def evaluate(compressed_name: str, reference_name: str | None = None, data=None,
     if baselines:
         metrics["baselines"] = {label: per_domain(model, f"{label}: ")
                                 for label, model in baseline_models(reference).items()}
+        if tasks:
+            progress("distilling the Model2Vec baseline")
+            static = static_baseline(resolve(source), compressed, config)
+            if static is None:
+                metrics["notes"] = [MODEL2VEC_MISSING]
+            else:
+                metrics["baselines"][static.label] = {
+                    name: {"texts": len(task.pairs), "pairs": len(task.pairs), **kept(static.scores(task.pairs), task.dense)}
+                    for name, task in tasks.items()}
     return metrics
+
+
+def _pair_domain_name(file, taken) -> str:
+    name = Path(file).stem
+    return name if name not in taken else str(file)
 
 
 def record_in_report(path: str, metrics: dict) -> None:

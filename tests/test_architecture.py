@@ -16,7 +16,7 @@ LAYERS = [
     {"layers"},
     {"conversion"},
     {"hf", "models"},
-    {"training"},
+    {"training", "retrieval"},
     {"evaluation"},
     {"api", "checkpoint_info", "recipes"},
     {"bench", "cli", "__init__", "__main__"},

@@ -58,6 +58,9 @@ def test_full_rank_compression_is_indistinguishable_on_every_domain(tmp_path, co
         assert domain["mean_cosine"] > 0.9999 and domain["min_cosine"] > 0.9999
         assert domain["nn_agreement"] == 1.0
         assert domain["compressed_loss"] == pytest.approx(domain["reference_loss"], rel=1e-4)
+    for name in ("english", "python-stdlib"):  # held-out passages split into pairs: the task kept whole
+        assert metrics["domains"][name]["pairs"] >= 8 and metrics["domains"][name]["recall_kept"] == 1.0
+    assert "recall_at_1" not in metrics["domains"][corpus]  # word lists: no first sentence to split off
 
 
 def test_real_compression_moves_the_embeddings_and_names_the_worst_domain(tmp_path, corpus):
@@ -85,10 +88,50 @@ def test_real_compression_moves_the_embeddings_and_names_the_worst_domain(tmp_pa
     assert domains["english"]["mean_cosine"] < 0.999  # the compression is real
 
 
+def test_retrieval_is_scored_per_domain_and_on_a_pair_file(tmp_path):
+    import transformers as tf
+
+    path = saved(tmp_path, "bert", ratio=3)
+    topics = "tensor train cores rank gate model weight layer token vocabulary embedding pooling".split()
+    pairs = [(f"{a} and {b}", f"a passage on {a}, then on {b} and {c}")
+             for a, b, c in zip(topics, topics[3:] + topics[:3], topics[5:] + topics[:5])]
+    pair_file = tmp_path / "mine.jsonl"
+    pair_file.write_text("".join(json.dumps({"query": q, "document": d}) + "\n" for q, d in pairs))
+    metrics = evaluate(str(path), pairs=[str(pair_file)], texts=len(pairs))
+    assert list(metrics["domains"]) == ["english", "python-stdlib", "mine"]
+    mine = metrics["domains"]["mine"]
+    assert mine["pairs"] == mine["texts"] == len(pairs)
+    # The figures, computed here from the two models directly: is each query's nearest document its own?
+    tokenizer = tf.AutoTokenizer.from_pretrained(path)
+
+    def recall(model, queries, documents):
+        pooled = []
+        for texts in (queries, documents):
+            batch = tokenizer(list(texts), padding=True, return_tensors="pt")
+            mask = batch["attention_mask"].unsqueeze(-1).float()
+            with torch.no_grad():
+                pooled.append(torch.nn.functional.normalize((model(**batch).last_hidden_state * mask).sum(1) / mask.sum(1)))
+        return float(((pooled[0] @ pooled[1].T).argmax(1) == torch.arange(len(queries))).float().mean())
+
+    compressed = comera_convert.from_pretrained(path).eval()
+    dense = tf.BertModel.from_pretrained(tmp_path / "bert-dense").eval()
+    assert mine["recall_at_1"] == pytest.approx(recall(compressed, *zip(*pairs)))
+    assert mine["dense_recall_at_1"] == pytest.approx(recall(dense, *zip(*pairs)))
+    assert mine["recall_kept"] == pytest.approx(mine["recall_at_1"] / mine["dense_recall_at_1"])
+    assert 0 < mine["mrr"] <= 1 and mine["recall_at_1"] <= mine["mrr"]
+
+
 def test_baselines_are_measured_on_the_same_domains(tmp_path, corpus):
+    from comera_convert.evaluation import MODEL2VEC_MISSING
+
     metrics = evaluate(str(saved(tmp_path, "bert-mlm", ratio=3)), data=corpus, texts=8, baselines=True)
-    assert set(metrics["baselines"]) == {"bfloat16 storage", "int8 linears (dynamic)"}
-    for label, domains in metrics["baselines"].items():
+    static = [label for label in metrics["baselines"] if label.startswith("Model2Vec")]
+    assert set(metrics["baselines"]) - set(static) == {"bfloat16 storage", "int8 linears (dynamic)"}
+    try:
+        import model2vec.distill  # noqa: F401
+    except ImportError:
+        assert not static and metrics["notes"] == [MODEL2VEC_MISSING]
+    for label, domains in ((k, v) for k, v in metrics["baselines"].items() if k not in static):
         assert list(domains) == list(metrics["domains"])
         for domain in domains.values():  # rounding the dense model keeps it close: far closer than TT at 3x
             assert 0.99 < domain["mean_cosine"] <= 1.0 + 1e-6, label

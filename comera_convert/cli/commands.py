@@ -171,14 +171,20 @@ def decompress(model, out, overwrite, max_shard_size):
 @click.option("--data", multiple=True,
               help="Another domain of held-out text (file, directory, JSONL, dataset); repeatable. The "
                    "held-out splits of english and python-stdlib are always measured.")
-@click.option("--texts", type=int, default=64, show_default=True, help="How many texts per domain.")
+@click.option("--pairs", "pair_files", multiple=True, type=click.Path(dir_okay=False),
+              help='A JSONL file of {"query": ..., "document": ...} lines: retrieval of each query\'s '
+                   'document among all of them, a domain of its own; repeatable.')
+@click.option("--texts", type=int, default=64, show_default=True,
+              help="How many texts (and query/document pairs) per domain.")
 @click.option("--seq-len", type=int, default=128, show_default=True, help="Tokens per text (truncated).")
 @click.option("--baselines", is_flag=True,
-              help="Also measure the dense model stored in bfloat16 and with int8 linears on the same texts.")
+              help="Also measure the dense model stored in bfloat16 and with int8 linears on the same texts, "
+                   "and Model2Vec distilled from it at the compressed model's size (model2vec[distill]).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True), is_flag=False, flag_value="-",
               default=None, help="Write the metrics as JSON to this file; alone, print them instead of tables.")
-def evaluate(model, reference, data, texts, seq_len, baselines, json_path):
-    """How close compressed MODEL is to its dense source on held-out text, domain by domain."""
+def evaluate(model, reference, data, pair_files, texts, seq_len, baselines, json_path):
+    """How close compressed MODEL is to its dense source on held-out text, domain by domain, and
+    how much of its retrieval it keeps (recall@1 of each passage's rest by its first sentence)."""
     from ..evaluation import evaluate as run_eval
     from ..evaluation import record_in_report
     from ..hf.saving import write_text_atomic
@@ -187,7 +193,7 @@ def evaluate(model, reference, data, texts, seq_len, baselines, json_path):
 
     with progress_display() as progress:
         metrics = run_eval(model, reference, data=list(data), texts=texts, seq_len=seq_len, baselines=baselines,
-                           progress=progress)
+                           progress=progress, pairs=list(pair_files))
     record_in_report(resolve(model), metrics)
     if json_path == "-":
         echo_json(metrics)
@@ -198,6 +204,8 @@ def evaluate(model, reference, data, texts, seq_len, baselines, json_path):
     for label, domains in metrics.get("baselines", {}).items():
         baseline = {"reference": metrics["reference"], "domains": domains, "worst_domain": None}
         out.print(eval_table(f"baseline: {label}", baseline, out.width))
+    for note in metrics.get("notes", []):
+        out.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
     if json_path:
         write_text_atomic(Path(json_path), json.dumps(metrics, indent=2) + "\n")
 
