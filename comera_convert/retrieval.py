@@ -99,11 +99,11 @@ def _parse_pair(line: str, where: str) -> tuple[str, str]:
 @torch.no_grad()
 def embed(model, tokenizer, texts: list[str], seq_len: int, pooling: str = "mean") -> torch.Tensor:
     """Pooled embeddings of ``texts`` (truncated to ``seq_len`` tokens), a batch at a time."""
-    parts = []
+    parts, device = [], next(model.parameters()).device
     for start in range(0, len(texts), EMBED_BATCH):
         batch = tokenizer(texts[start:start + EMBED_BATCH], padding=True, truncation=True, max_length=seq_len,
-                          return_tensors="pt")
-        parts.append(sentence_embeddings(model, batch, pooling))
+                          return_tensors="pt").to(device)
+        parts.append(sentence_embeddings(model, batch, pooling).cpu())
     return torch.cat(parts)
 
 

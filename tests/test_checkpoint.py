@@ -257,3 +257,32 @@ def test_reordered_embedding_round_trips_and_needs_format_2(tmp_path):
     assert rel_err(outputs(dense), outputs(model)) < 1e-5
     _, plain = converted("bert-mlm", tmp_path)
     assert json.loads((plain / "config.json").read_text())["quantization_config"]["version"] == 1
+
+
+@pytest.mark.parametrize("damage", ["repeated id", "another vocabulary's order"])
+def test_a_row_order_that_is_no_permutation_of_the_vocabulary_is_refused(tmp_path, damage):
+    """A checkpoint must never load with its rows shuffled: a stored row_of_token that repeats a row,
+    or that was cut for a larger vocabulary, is refused in one line (remote code imports comera_convert
+    and loads through the same quantizer)."""
+    from safetensors.torch import load_file, save_file
+
+    from comera_convert.errors import ModelLoadError
+    from comera_convert.layers import TTEmbedding
+
+    model = build("bert")
+    comera_convert.convert(model, rank=4, targets=["embeddings.word_embeddings"])
+    words = model.embeddings.word_embeddings
+    model.embeddings.word_embeddings = TTEmbedding.from_embedding(
+        torch.nn.Embedding.from_pretrained(words.dense_matrix()), rank=4,
+        token_order=torch.arange(words.num_embeddings).flip(0))
+    model.save_pretrained(tmp_path / "ok")
+    tensors = load_file(tmp_path / "ok" / "model.safetensors")
+    rows = tensors["embeddings.word_embeddings.row_of_token"]
+    if damage == "repeated id":
+        rows[1] = rows[0]
+    else:
+        rows += 1  # ids 1..n, as a table of n + 1 rows would hold them
+    save_file(tensors, tmp_path / "ok" / "model.safetensors", metadata={"format": "pt"})
+    for load in (lambda p: tf.AutoModel.from_pretrained(p), comera_convert.from_pretrained):
+        with pytest.raises(ModelLoadError, match="row_of_token is not a permutation of the"):
+            load(tmp_path / "ok")

@@ -131,6 +131,10 @@ def test_cli_distill_raises_the_held_out_cosine(minilm_tt4, tmp_path):
     assert "`comera convert minilm --ratio 4" in card and f"`comera train {minilm_tt4}" in card
     record = json.loads((trained / "comera_report.json").read_text())["extra"]["training"]
     assert record["held_out_cosine_after"] > record["held_out_cosine_before"]  # on packed held-out blocks
+    # The task, on held-out english pairs: the share of the teacher's recall@1, printed and recorded.
+    assert "held-out retrieval, share of the teacher's recall@1 kept (256 pairs" in done.stdout
+    assert record["held_out_pairs"] == 256
+    assert 0 <= record["held_out_recall_kept_before"] < record["held_out_recall_kept_after"] <= 1.2
     dense, _ = load_model("minilm")
     tokenizer = AutoTokenizer.from_pretrained(minilm_tt4)
     texts = held_out_texts()

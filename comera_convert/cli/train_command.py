@@ -136,4 +136,7 @@ def train(model, recipe, out, resume, overwrite, as_json, max_shard_size, **valu
     if result.cosine_after is not None:
         printer.print(f"held-out sentence-embedding cosine to the teacher {result.cosine_before:.3f} -> "
                       f"{result.cosine_after:.3f} (packed blocks; `comera eval {result.out}` for texts as written)")
+    if result.task_pairs:
+        printer.print(f"held-out retrieval, share of the teacher's recall@1 kept ({result.task_pairs} pairs: a "
+                      f"passage's first sentence against the rest) {result.task_before:.3f} -> {result.task_after:.3f}")
     printer.print(f"[green]wrote[/] {result.out} (curve: {result.out / 'training_curve.png'})")

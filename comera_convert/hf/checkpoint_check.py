@@ -11,6 +11,8 @@ import json
 import os
 import struct
 
+import torch
+
 from ..errors import ModelLoadError
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
@@ -57,6 +59,22 @@ def aliases(key: str, prefix: str) -> list[str]:
     if not prefix:
         return [key]
     return [key, f"{prefix}.{key}", key.removeprefix(prefix + ".")]
+
+
+def check_row_orders(model) -> None:
+    """Refuse a reordered embedding whose stored ``row_of_token`` is not a permutation of its token
+    ids (a table from another vocabulary, or a damaged file): it would load with its rows shuffled."""
+    from ..layers import TTEmbedding
+
+    for name, module in model.named_modules():
+        rows = getattr(module, "row_of_token", None) if isinstance(module, TTEmbedding) else None
+        if rows is None or rows.is_meta:
+            continue
+        size = module.num_embeddings
+        if rows.shape != (size,) or not torch.equal(torch.sort(rows.long().cpu()).values, torch.arange(size)):
+            raise ModelLoadError(f"{name}.row_of_token is not a permutation of the {size} token ids: the checkpoint's "
+                                 f"row order does not belong to this vocabulary (refused rather than loaded with "
+                                 f"its rows shuffled)")
 
 
 def check_tensors_match(model, checkpoint_files) -> None:

@@ -19,7 +19,8 @@ import torch
 from ..errors import ComeraError, ConfigError, ModelLoadError
 from ..hf.config import compression_of
 from ..models import load_tokenizer, read_config, resolve
-from ..text import Blocks, pack
+from ..retrieval import model_retrieval, pairs_from_texts
+from ..text import Blocks, documents, is_held_out, pack
 from .objectives import BlockCollator, pick_objective, resolve_objective, task_for, task_loss
 from .options import TrainOptions
 from .rank_control import RankController
@@ -48,6 +49,11 @@ class TrainResult:
     # Distilling an encoder: mean cosine of the student's and the teacher's sentence embeddings.
     cosine_before: float | None = None
     cosine_after: float | None = None
+    # ... and the share of the teacher's retrieval recall@1 it keeps on held-out pairs (a passage's
+    # first sentence against the rest of it), with how many pairs.
+    task_before: float | None = None
+    task_after: float | None = None
+    task_pairs: int = 0
     report: object = None
     target_ratio: float | None = None
     # One line each: what --objective auto picked, and why a --target-ratio was missed (None: reached).
@@ -227,6 +233,23 @@ def open_session(model_name: str, options: TrainOptions) -> Session:
                    RankController(model, options, dense_params), encoder)
 
 
+# Held-out pairs a distilled encoder's retrieval is scored on, before and after training: enough
+# for a stable recall@1, few enough to embed in seconds on a CPU.
+TASK_PAIRS = 256
+PASSAGES_PER_PAIR = 8  # passages read per pair asked for (many have no first sentence that splits off)
+
+
+def held_out_pairs(source: str, count: int = TASK_PAIRS) -> list[tuple[str, str]]:
+    """Query/document pairs of the held-out documents of a training source (never trained on)."""
+    passages = []
+    for index, text in enumerate(documents(source)):
+        if is_held_out(index):
+            passages.append(text)
+            if len(passages) == PASSAGES_PER_PAIR * count:
+                break
+    return pairs_from_texts(passages, count)
+
+
 @dataclass
 class HeldOut:
     """The held-out blocks and how the model is measured on them: the task loss and, for a
@@ -235,16 +258,27 @@ class HeldOut:
     blocks: list
     collate: BlockCollator
     targets: torch.Tensor | None = None
+    pairs: list = field(default_factory=list)
+    teacher_task: dict | None = None
 
     def __post_init__(self):
         s = self.session
         if s.encoder and self.blocks:
             self.targets = held_out_embeddings(s.teacher, self.blocks, s.options.batch_size)
+        if s.encoder:
+            self.pairs = held_out_pairs(s.options.data)
+            if len(self.pairs) >= 2:
+                self.teacher_task = model_retrieval(s.teacher, s.tokenizer, self.pairs, s.options.seq_len)
 
-    def measure(self) -> tuple[float, float | None]:
+    def measure(self) -> tuple[float, float | None, float | None]:
         s = self.session
         loss = held_out_loss(s.model, self.blocks, s.objective, self.collate, s.teacher, s.options.batch_size)
-        return loss, held_out_cosine(s.model, self.targets, self.blocks, s.options.batch_size)
+        task = None
+        if self.teacher_task and self.teacher_task["recall_at_1"]:
+            with evaluating(s.model):
+                task = (model_retrieval(s.model, s.tokenizer, self.pairs, s.options.seq_len)["recall_at_1"]
+                        / self.teacher_task["recall_at_1"])
+        return loss, held_out_cosine(s.model, self.targets, self.blocks, s.options.batch_size), task
 
 
 def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, overwrite: bool = False,
@@ -283,7 +317,7 @@ def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, 
     session.controller.prune()
     check_replicas_agree(session.controller)
     after = held_out.measure()
-    result = _result(out, session, trainer.state.global_step, ratio_before, before, after)
+    result = _result(out, session, trainer.state.global_step, ratio_before, before, after, len(held_out.pairs))
     if result.shortfall:
         logger.warning(result.shortfall)
     trained = session.model if sharding is None else sharding.full_model(session.model)
@@ -336,11 +370,13 @@ def _trainer(session: Session, args, blocks: Blocks, collate, callbacks, shardin
     return trainer
 
 
-def _result(out: Path, session: Session, steps: int, ratio_before: float, before, after) -> TrainResult:
+def _result(out: Path, session: Session, steps: int, ratio_before: float, before, after,
+            pairs: int = 0) -> TrainResult:
     controller = session.controller
     return TrainResult(out=out, objective=session.objective, steps=steps, ratio_before=ratio_before,
                        ratio_after=controller.ratio(), held_out_before=before[0], held_out_after=after[0],
                        ranks=controller.ranks(), cosine_before=before[1], cosine_after=after[1],
+                       task_before=before[2], task_after=after[2], task_pairs=pairs if before[2] is not None else 0,
                        target_ratio=session.options.target_ratio, objective_note=session.objective_note,
                        shortfall=controller.shortfall(steps))
 
@@ -354,6 +390,9 @@ def _record(result: TrainResult, options: TrainOptions, cosines: bool) -> dict:
                       target_reached=result.shortfall is None)
     if cosines:
         record.update(held_out_cosine_before=result.cosine_before, held_out_cosine_after=result.cosine_after)
+    if result.task_pairs:
+        record.update(held_out_recall_kept_before=result.task_before, held_out_recall_kept_after=result.task_after,
+                      held_out_pairs=result.task_pairs)
     return {**record, "options": options.to_dict()}
 
 
