@@ -62,7 +62,9 @@ def with_overrides(options: ConvertOptions | None, overrides: dict) -> ConvertOp
     given as an override replaces the default ratio."""
     if not overrides:
         return options or ConvertOptions()
-    base = dataclasses.asdict(options or ConvertOptions())
+    # Without options, only what is given is set: the defaults that depend on others (the modes per
+    # side on the ratio) are chosen for the final values.
+    base = dataclasses.asdict(options) if options is not None else {}
     if overrides.get("rank") is not None and "ratio" not in overrides:
         base["ratio"] = None
     return from_mapping(ConvertOptions, {**base, **overrides}, "convert()")

@@ -26,13 +26,10 @@ from .errors import ConfigError
 from .text import CORPORA, documents, is_held_out
 from .hf.sentence_config import read_pipeline, sentence_embeddings
 from .progress import Progress, no_progress
-from .retrieval import kept, model_retrieval, pairs_from_texts, read_pairs, retrieval_scores
+from .retrieval import PASSAGES_PER_PAIR, kept, model_retrieval, pairs_from_texts, read_pairs, retrieval_scores
 from .training.objectives import BlockCollator
 
 DEFAULT_DOMAINS = CORPORA  # english and python-stdlib: prose and code
-# Held-out passages read per pair asked for: many passages have no first sentence that splits off
-# (code, lists, headings), and the pairs of a domain are its first passages that do.
-PASSAGES_PER_PAIR = 8
 
 
 def held_out_texts(source: str, count: int) -> list[str]:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from .errors import ConfigError, expected
 from .hf.sentence_config import sentence_embeddings
+from .text import documents, is_held_out
 
 # A first sentence shorter than this (a heading, a shebang, "Hi.") says too little to find its
 # passage by; one longer than MAX_QUERY_CHARS is no sentence (a list, a code block).
@@ -26,6 +27,7 @@ MAX_QUERY_CHARS = 300
 MIN_DOCUMENT_CHARS = 80  # the rest must still be a passage, not a closing remark
 SENTENCE_END = re.compile(r"[.!?:](?=\s)")
 EMBED_BATCH = 64  # texts per forward pass: bounds memory on long domains
+PASSAGES_PER_PAIR = 8  # passages read per pair asked for (many have no first sentence that splits off)
 
 
 def split_first_sentence(text: str) -> tuple[str, str] | None:
@@ -50,6 +52,17 @@ def pairs_from_texts(texts: list[str], count: int) -> list[tuple[str, str]]:
         if len(pairs) == count:
             break
     return pairs
+
+
+def held_out_pairs(source: str, count: int) -> list[tuple[str, str]]:
+    """Up to ``count`` pairs of the held-out documents of a data source (which training never reads)."""
+    passages = []
+    for index, text in enumerate(documents(source)):
+        if is_held_out(index):
+            passages.append(text)
+            if len(passages) == PASSAGES_PER_PAIR * count:
+                break
+    return pairs_from_texts(passages, count)
 
 
 def read_pairs(path: str | Path, count: int) -> list[tuple[str, str]]:

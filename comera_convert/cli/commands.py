@@ -42,7 +42,7 @@ def _default_out(model: str, ratio, rank) -> str:
 @click.option("--embedding-layout", default=None,
               help="Layout of embeddings: tt or ttm (CoMERA) [default: tt].")
 @click.option("--modes", "d", type=int, default=None,
-              help="Tensor modes per side, 1 (plain low-rank, a truncated SVD) to 4 [default: 3].")
+              help="Tensor modes per side, 1 (plain low-rank, a truncated SVD) to 4 [default: 3; 2 from --ratio 3 on].")
 @click.option("--targets", default=None, help="Comma-separated module-name patterns to convert.")
 @click.option("--exclude", default=None, help="Comma-separated module-name patterns to keep dense.")
 @click.option("--no-gates", is_flag=True, default=False, help="Leave out the rank gates (no rank adaptation).")

@@ -11,6 +11,11 @@ from ..tt.spec import LAYOUTS
 from .storage import storage_dtype
 
 ALLOCATIONS = ("uniform", "measured", "sensitivity")
+# From this ratio on, two modes per side are the default. all-MiniLM-L6-v2 calibrated on english,
+# share of the dense model's retrieval recall@1 kept on held-out pairs (english, code, man pages,
+# Debian descriptions): at --ratio 4 two modes keep 0.49 / 0.38 / 0.62 / 0.61 against three modes'
+# 0.43 / 0.33 / 0.46 / 0.53; at --ratio 2 three modes are the better (BENCHMARKS.md, Quality).
+TWO_MODES_FROM_RATIO = 3.0
 
 
 @dataclass
@@ -30,8 +35,9 @@ class ConvertOptions:
     layout: str = "tt"
     embedding_layout: str = "tt"
     # Modes per side: CoMERA splits 768 and 3072 into 3 modes each. 1 is the plain low-rank
-    # baseline: a truncated SVD (whitened when calibrated) with the same rank allocation.
-    d: int = 3
+    # baseline: a truncated SVD (whitened when calibrated) with the same rank allocation. None picks
+    # by the ratio: 3 below TWO_MODES_FROM_RATIO (and for a fixed --rank), 2 from it on.
+    d: int | None = None
     targets: list[str] | None = None
     exclude: list[str] | None = None
     # Diagonal rank gates on every bond, for rank-adaptive training (`comera train`).
@@ -82,6 +88,8 @@ class ConvertOptions:
         for name in ("layout", "embedding_layout"):
             if getattr(self, name) not in LAYOUTS:
                 raise ConfigError(expected(f"{name} in {LAYOUTS}", getattr(self, name)))
+        if self.d is None:
+            self.d = 2 if self.rank is None and self.ratio >= TWO_MODES_FROM_RATIO else 3
         if self.d not in (1, 2, 3, 4):
             raise ConfigError(expected("d (modes per side) in (1, 2, 3, 4)", self.d))
         if self.d == 1 and "ttm" in (self.layout, self.embedding_layout):

@@ -19,8 +19,8 @@ import torch
 from ..errors import ComeraError, ConfigError, ModelLoadError
 from ..hf.config import compression_of
 from ..models import load_tokenizer, read_config, resolve
-from ..retrieval import model_retrieval, pairs_from_texts
-from ..text import Blocks, documents, is_held_out, pack
+from ..retrieval import held_out_pairs, model_retrieval
+from ..text import Blocks, pack
 from .objectives import BlockCollator, pick_objective, resolve_objective, task_for, task_loss
 from .options import TrainOptions
 from .rank_control import RankController
@@ -236,18 +236,6 @@ def open_session(model_name: str, options: TrainOptions) -> Session:
 # Held-out pairs a distilled encoder's retrieval is scored on, before and after training: enough
 # for a stable recall@1, few enough to embed in seconds on a CPU.
 TASK_PAIRS = 256
-PASSAGES_PER_PAIR = 8  # passages read per pair asked for (many have no first sentence that splits off)
-
-
-def held_out_pairs(source: str, count: int = TASK_PAIRS) -> list[tuple[str, str]]:
-    """Query/document pairs of the held-out documents of a training source (never trained on)."""
-    passages = []
-    for index, text in enumerate(documents(source)):
-        if is_held_out(index):
-            passages.append(text)
-            if len(passages) == PASSAGES_PER_PAIR * count:
-                break
-    return pairs_from_texts(passages, count)
 
 
 @dataclass
@@ -266,7 +254,7 @@ class HeldOut:
         if s.encoder and self.blocks:
             self.targets = held_out_embeddings(s.teacher, self.blocks, s.options.batch_size)
         if s.encoder:
-            self.pairs = held_out_pairs(s.options.data)
+            self.pairs = held_out_pairs(s.options.data, TASK_PAIRS)
             if len(self.pairs) >= 2:
                 self.teacher_task = model_retrieval(s.teacher, s.tokenizer, self.pairs, s.options.seq_len)
 
