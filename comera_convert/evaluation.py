@@ -91,9 +91,8 @@ def _lm_scores(model, batch, kind: str) -> tuple[float, float]:
     return float(loss), float(accuracy)
 
 
-def domain_batch(tokenizer, source: str, texts: int, seq_len: int) -> dict:
+def domain_batch(tokenizer, source: str, sample: list[str], seq_len: int) -> dict:
     """One domain's held-out texts, tokenized (padded, truncated to ``seq_len``)."""
-    sample = held_out_texts(source, texts)
     if len(sample) < 2:
         raise ConfigError(f"--data {source}: needs at least 2 held-out texts to compare models "
                           f"(found {len(sample)})")
@@ -227,17 +226,20 @@ def evaluate(compressed_name: str, reference_name: str | None = None, data=None,
     if pair_files and kind == "clm":
         raise ConfigError("--pairs scores retrieval by sentence embeddings, which causal LMs are not "
                           "evaluated by: their domains report perplexity")
-    batches = {name: domain_batch(tokenizer, name, texts, seq_len) for name in sources}  # read once
+    # Each domain's held-out passages, read once: the first ``texts`` are compared as they are, and
+    # (encoders) all of them are split into retrieval pairs.
+    reach = texts * (PASSAGES_PER_PAIR if kind != "clm" else 1)
+    passages = {name: held_out_texts(name, reach) for name in sources}
+    batches = {name: domain_batch(tokenizer, name, passages[name][:texts], seq_len) for name in sources}
     pipeline = read_pipeline(path)  # a sentence-transformers model pools as its own config says
     pooling = pipeline.pooling if pipeline else "mean"
     tasks = {}
     if kind != "clm":
-        found = {name: domain_pairs(name, texts) for name in sources}
+        found = {name: pairs_from_texts(passages[name], texts) for name in sources}
         for file in pair_files:
             name = _pair_domain_name(file, found)
             found[name] = read_pairs(file, texts)
-            batches[name] = tokenizer([document for _, document in found[name]], padding=True, truncation=True,
-                                      max_length=seq_len, return_tensors="pt")
+            batches[name] = domain_batch(tokenizer, name, [document for _, document in found[name]], seq_len)
         for index, (name, domain) in enumerate(found.items()):
             progress(f"dense retrieval on {name}", index, len(found))
             if len(domain) >= 2:  # one pair is no ranking: such a domain reports cosines alone

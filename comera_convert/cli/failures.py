@@ -11,6 +11,9 @@ import traceback
 from importlib import metadata
 from pathlib import Path
 
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
 PROJECT = "comera-convert"
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # comera_convert/
 TRACEBACK_VARIABLE = "COMERA_TRACEBACK"
@@ -24,19 +27,11 @@ def supported_ranges() -> dict[str, str]:
         return {}
     ranges = {}
     for line in requirements:
-        requirement, _, marker = line.partition(";")
-        if "extra" in marker:
-            continue
-        name = requirement.strip()
-        for index, char in enumerate(name):
-            if char in "<>=!~[ (":
-                name, spec = name[:index], name[index:]
-                break
-        else:
-            spec = ""
-        bounds = sorted(filter(None, (b.strip() for b in spec.strip().strip("()").split(","))),
-                        key=lambda bound: not bound.startswith(">"))  # lower bound first: >=5.1,<6
-        ranges[name.strip().lower().replace("_", "-")] = ",".join(bounds)
+        requirement = Requirement(line)
+        if requirement.marker is not None and "extra" in str(requirement.marker):
+            continue  # an optional extra's requirement
+        bounds = sorted(map(str, requirement.specifier), key=lambda bound: not bound.startswith(">"))
+        ranges[canonicalize_name(requirement.name)] = ",".join(bounds)  # lower bound first: >=5.1,<6
     return ranges
 
 
@@ -85,7 +80,7 @@ def describe_failure(error: BaseException) -> str:
         return f"internal error in {PROJECT}: {cause} ({hint}, and please report it)"
     distribution, where = found
     version = metadata.version(distribution)
-    supported = supported_ranges().get(distribution.lower().replace("_", "-"))
+    supported = supported_ranges().get(canonicalize_name(distribution))
     promise = (f"{PROJECT} supports {distribution}{supported}" if supported is not None
                else f"{distribution} is not a declared dependency of {PROJECT}")
     return f"{distribution} {version} failed in {where}: {cause} ({promise}; {hint})"

@@ -14,6 +14,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..layers import TTEmbedding, TTLinear, TTModule
+from ..layers.swap import set_submodule
 from ..layers.tt_linear import dense_weight_of
 from ..tt.decompose import matrix_to_cores
 from .allocate import LayoutChoice
@@ -23,7 +24,6 @@ from .records import tie_head
 from .report import ConversionReport, describe
 from .strategies import STRATEGIES, Allocation, AllocationRequest
 from .targets import find_candidates
-from ..layers.swap import set_submodule
 
 
 def count_params(model: nn.Module) -> int:

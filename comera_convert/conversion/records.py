@@ -14,8 +14,8 @@ from torch import nn
 
 from ..errors import ModelLoadError, expected
 from ..layers import TiedTTHead, TTEmbedding, TTLinear, TTModule
-from ..tt.spec import TTSpec
 from ..layers.swap import set_submodule
+from ..tt.spec import TTSpec
 
 KINDS = ("linear", "embedding", "tied_head")
 

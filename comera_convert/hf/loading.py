@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from ..errors import ModelLoadError
+from ..layers.swap import set_submodule
 from .checkpoint_check import read_header
 from .compat import forget_compression
 from .config import QUANT_METHOD, compression_of
-from ..layers.swap import set_submodule
 
 
 def is_compressed_dir(path: str | os.PathLike) -> bool:

@@ -24,9 +24,9 @@ from torch import nn
 
 from ..conversion.calibration import CalibrationPlan, Recorder, empty_statistics
 from ..conversion.targets import Candidate
+from ..layers.swap import set_submodule
 from .spool import to_meta
 from .streaming import Streamed, load_module, load_the_rest
-from ..layers.swap import set_submodule
 
 
 class StopForward(Exception):
