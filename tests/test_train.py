@@ -196,12 +196,13 @@ class LearningRates(TrainerCallback):
         self.fused = optimizer.defaults["fused"]
 
 
-@pytest.mark.parametrize("schedule", ["constant", "cosine"])
-def test_learning_rate_schedule_holds_or_decays_after_the_warm_up(tmp_path, tokenizer, corpus, schedule):
+# minutes=60: a time budget far beyond the run, so that the steps decide the schedule, as without one.
+@pytest.mark.parametrize("schedule,minutes", [("constant", None), ("cosine", None), ("cosine", 60)])
+def test_learning_rate_schedule_holds_or_decays_after_the_warm_up(tmp_path, tokenizer, corpus, schedule, minutes):
     path = compressed(tmp_path, tokenizer)
     rates = LearningRates()
     options = TrainOptions(objective="mlm", data=str(corpus), **{**FAST, "warmup_steps": 3},
-                           lr_scheduler_type=schedule)
+                           lr_scheduler_type=schedule, minutes=minutes)
     train(str(path), options, tmp_path / "out", callbacks=[rates])
     peak = FAST["lr_cores"]
     assert rates.rates[0] == pytest.approx(peak / 3)  # the linear warm-up, either way
@@ -212,6 +213,42 @@ def test_learning_rate_schedule_holds_or_decays_after_the_warm_up(tmp_path, toke
     else:
         assert all(a > b for a, b in zip(after_warmup, after_warmup[1:]))
         assert after_warmup[-1] < 0.05 * peak
+
+
+def test_a_spent_time_budget_stops_training_and_the_history_records_the_seconds(tmp_path, tokenizer, corpus):
+    path = compressed(tmp_path, tokenizer)
+    options = TrainOptions(objective="mlm", data=str(corpus), **FAST, minutes=1e-6)  # spent within a step
+    result = train(str(path), options, tmp_path / "out")
+    assert result.steps == 1 < FAST["steps"]
+    history = json.loads((tmp_path / "out" / "comera_history.json").read_text())
+    assert [h["step"] for h in history] == [1] and history[0]["seconds"] > 0
+
+
+@pytest.mark.parametrize("kind,spent,step,expected", [
+    ("cosine", 30, 10, 0.5),  # half the time spent outweighs a tenth of the steps
+    ("cosine", 6, 80, 0.5 * (1 + math.cos(0.8 * math.pi))),  # the steps lead
+    ("linear", 45, 10, 0.25),
+    ("constant", 59, 99, 1.0),
+    ("cosine", 90, 10, 0.0),  # past the budget: the rate stays at its end
+])
+def test_the_wall_time_schedule_follows_the_larger_share_of_time_or_steps(kind, spent, step, expected):
+    from comera_convert.training.wall_clock import WallClock, wall_time_scheduler
+
+    clock = WallClock(minutes=1)
+    clock.already = spent  # seconds, the clock not started
+    scheduler = wall_time_scheduler(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0), clock, steps=100,
+                                    warmup_steps=4, kind=kind)
+    factor = scheduler.lr_lambdas[0]
+    assert [factor(s) for s in (0, 2)] == [0.0, 0.5]  # the warm-up, in steps, whatever the clock says
+    assert factor(step) == pytest.approx(expected, abs=1e-12)
+    assert clock.spent() == (spent >= 60)
+
+
+def test_a_time_budget_is_a_positive_number_and_not_combined_with_a_target_ratio():
+    with pytest.raises(ConfigError, match=r"expected minutes as a positive number \(got 0\)"):
+        TrainOptions(minutes=0)
+    with pytest.raises(ConfigError, match="--minutes with --target-ratio"):
+        TrainOptions(minutes=5, target_ratio=3, steps=100)
 
 
 def test_adamw_is_fused_only_when_all_parameters_share_a_supported_device():

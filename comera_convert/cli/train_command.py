@@ -51,7 +51,7 @@ def _rich_progress_callback(total_steps: int, tokens_per_step: int):
     return RichProgress()
 
 
-OPTION_NAMES = ["objective", "data", "steps", "seq_len", "batch_size", "gradient_accumulation_steps",
+OPTION_NAMES = ["objective", "data", "steps", "minutes", "seq_len", "batch_size", "gradient_accumulation_steps",
                 "lr_cores", "lr_gates", "lr_rest", "beta", "tau", "rank_multiple", "early_steps", "target_ratio",
                 "teacher", "logging_steps", "save_steps", "seed", "warmup_steps", "lr_scheduler_type", "dropout",
                 "document_starts", "gradient_checkpointing", "bf16", "compile", "fsdp"]
@@ -64,6 +64,9 @@ OPTION_NAMES = ["objective", "data", "steps", "seq_len", "batch_size", "gradient
 @click.option("--objective", type=click.Choice(OBJECTIVES), default=None,
               help="Task loss [default: auto].")
 @click.option("--max-steps", "--steps", "steps", type=int, default=None, help="Optimizer steps [default: 1000].")
+@click.option("--minutes", type=float, default=None,
+              help="Wall-time budget: stop when it is spent or at --steps, whichever comes first; the "
+                   "learning rate decays over the first of the two.")
 @click.option("--target-ratio", type=float, default=None,
               help="Whole-model ratio to reach by the end: ranks close by importance over the late stage.")
 @click.option("--seq-len", type=int, default=None, help="Tokens per packed block [default: 128].")

@@ -44,6 +44,9 @@ class TrainOptions:
     # Natural English of several genres (the built-in corpus); python-stdlib for code models.
     data: str = "english"
     steps: int = 1000
+    # A wall-time budget in minutes: training stops when it is spent or at `steps`, whichever comes
+    # first, and the learning-rate schedule runs over the first of the two (training/wall_clock.py).
+    minutes: float | None = None
     seq_len: int = 128
     batch_size: int = 8  # per device, as TrainingArguments' per_device_train_batch_size
     gradient_accumulation_steps: int = 1
@@ -126,6 +129,13 @@ class TrainOptions:
         warmup = self.warmup_steps
         if warmup is not None and (isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0):
             raise ConfigError(expected("warmup_steps as a non-negative integer", self.warmup_steps))
+        if self.minutes is not None:
+            if isinstance(self.minutes, bool) or not isinstance(self.minutes, (int, float)) \
+                    or not math.isfinite(self.minutes) or self.minutes <= 0:
+                raise ConfigError(expected("minutes as a positive number", self.minutes))
+            if self.target_ratio is not None:
+                raise ConfigError("--minutes with --target-ratio: the late stage that reaches the ratio is "
+                                  "scheduled in steps; give --steps instead of --minutes")
         if self.dropout is not None:
             _check_share("dropout", self.dropout)
         if self.document_starts is not None:

@@ -31,6 +31,7 @@ from ..errors import ComeraError
 from ..layers import TTModule
 from .objectives import task_loss
 from .rank_control import RankController, RankState
+from .wall_clock import WallClock, wall_time_scheduler
 
 logger = logging.getLogger("comera_convert.training")
 STATE_FILE = "comera_train_state.json"
@@ -84,6 +85,7 @@ class ComeraTrainer(Trainer):
         self.objective = objective
         self.teacher = teacher
         self.history: list[dict] = []
+        self.clock = WallClock(comera_options.minutes)
         self.last_task_loss: float | None = None
         self.nan_streak = 0
         self.add_callback(RankCallback(self))
@@ -95,6 +97,16 @@ class ComeraTrainer(Trainer):
             self.optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.999), eps=1e-8,
                                                fused=fused_adamw_applies(groups) or None)
         return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """transformers' schedule, or with --minutes one that runs over the time budget (wall_clock.py)."""
+        options = self.comera_options
+        if options.minutes is None:
+            return super().create_scheduler(num_training_steps, optimizer)
+        if self.lr_scheduler is None:
+            self.lr_scheduler = wall_time_scheduler(optimizer or self.optimizer, self.clock, num_training_steps,
+                                                    options.warmup_steps, options.lr_scheduler_type)
+        return self.lr_scheduler
 
     # -- loss -------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -205,6 +217,10 @@ class RankCallback(TrainerCallback):
     def __init__(self, trainer: ComeraTrainer):
         self.trainer = trainer
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        history = self.trainer.history  # a resumed run's, restored before training begins
+        self.trainer.clock.begin(history[-1].get("seconds", 0.0) if history else 0.0)
+
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.trainer.controller.observe_gradients()
 
@@ -219,7 +235,9 @@ class RankCallback(TrainerCallback):
                         controller.state.target_size, controller.state.size_at_switch)
         controller.enforce_budget(state.global_step)
         trainer.history.append({"step": state.global_step, "loss": trainer.last_task_loss,
-                                **controller.measurements()})
+                                "seconds": round(trainer.clock.elapsed(), 3), **controller.measurements()})
+        if trainer.clock.spent():
+            control.should_training_stop = True  # --minutes: the time budget is spent
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is not None and "loss" in logs:
