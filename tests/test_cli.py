@@ -172,6 +172,7 @@ def test_train_bad_input_is_one_line(dense_dir, tmp_path):
     _one_line_error(run("train", out, "--data", tmp_path / "missing.txt", "--out", tmp_path / "t2"),
                     "no such file or directory")
     _one_line_error(run("train", out, "--steps", "0", "--out", tmp_path / "t3"), "steps as a positive integer")
+    _one_line_error(run("train", out, "--minutes", "-5", "--out", tmp_path / "t3"), "minutes as a positive number")
     _one_line_error(run("train", out, "--rank-multiple", "0", "--out", tmp_path / "t5"),
                     "rank_multiple as a positive integer")
     _one_line_error(run("train", out, "--target-ratio", "1.2", "--data", "python-stdlib", "--steps", "2",

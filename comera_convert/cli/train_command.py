@@ -12,8 +12,9 @@ from .commands import command_line
 from .console import console, echo_json, progress_console, show_library_logs
 
 
-def _rich_progress_callback(total_steps: int, tokens_per_step: int):
-    """A TrainerCallback drawing a rich progress bar with loss, ratio and tokens/s."""
+def _rich_progress_callback(total_steps: int, tokens_per_step: int, minutes: float | None = None):
+    """A TrainerCallback drawing a rich progress bar with loss, ratio and tokens/s: over the steps, or
+    over the seconds of a --minutes budget."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
     from transformers import TrainerCallback
 
@@ -25,11 +26,17 @@ def _rich_progress_callback(total_steps: int, tokens_per_step: int):
         def on_train_begin(self, args, state, control, **kwargs):
             stderr = progress_console()
             if state.is_world_process_zero and stderr is not None:
-                self.bar = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
-                                    TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=stderr)
-                self.task = self.bar.add_task("train", total=total_steps, completed=state.global_step, info="")
+                self.bar = Progress(TextColumn("[bold]training" + (" (seconds)" if minutes else "")), BarColumn(),
+                                    MofNCompleteColumn(), TextColumn("{task.fields[info]}"), TimeRemainingColumn(),
+                                    console=stderr)
+                total = round(minutes * 60) if minutes else total_steps
+                self.task = self.bar.add_task("train", total=total, completed=0 if minutes else state.global_step,
+                                              info="")
                 self.bar.start()
                 self.start, self.first_step = time.perf_counter(), state.global_step
+
+        def _done(self, state) -> int:
+            return round(time.perf_counter() - self.start) if minutes else state.global_step
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if self.bar is None or not logs or "ratio" not in logs:
@@ -38,11 +45,11 @@ def _rich_progress_callback(total_steps: int, tokens_per_step: int):
             rate = (state.global_step - self.first_step) * tokens_per_step / elapsed
             info = (f"loss {logs.get('task_loss', logs.get('loss', float('nan'))):.3f}  "
                     f"ratio {logs['ratio']:.2f}x  {rate:,.0f} tok/s  {logs.get('stage', '')}")
-            self.bar.update(self.task, completed=state.global_step, info=info)
+            self.bar.update(self.task, completed=self._done(state), info=info)
 
         def on_step_end(self, args, state, control, **kwargs):
             if self.bar is not None:
-                self.bar.update(self.task, completed=state.global_step)
+                self.bar.update(self.task, completed=self._done(state))
 
         def on_train_end(self, args, state, control, **kwargs):
             if self.bar is not None:
@@ -119,7 +126,7 @@ def train(model, recipe, out, resume, overwrite, as_json, max_shard_size, **valu
     show_library_logs()  # what --objective auto picked, the stage switch, a missed target
     tokens = options.batch_size * options.gradient_accumulation_steps * options.seq_len
     result = run_training(model, options, out, resume=resume, overwrite=overwrite,
-                          callbacks=[_rich_progress_callback(options.steps, tokens)], command=command_line(),
+                          callbacks=[_rich_progress_callback(options.steps, tokens, options.minutes)], command=command_line(),
                           max_shard_size=max_shard_size)
     leave_process_group()
     if result.report is None:
