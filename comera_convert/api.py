@@ -230,6 +230,7 @@ def _sequential_calibration(model, streamed, path, options: ConvertOptions, toke
     the model has no stack of blocks."""
     from .conversion.calibration import plan_calibration
     from .conversion.targets import find_candidates
+    from .hf.compensating import CompensatingCalibration
     from .hf.sequential import SequentialCalibration, find_blocks
     from .models import load_tokenizer
 
@@ -241,8 +242,9 @@ def _sequential_calibration(model, streamed, path, options: ConvertOptions, toke
     began = time.perf_counter()
     plan = plan_calibration(model, candidates, tokenizer, options.calibration, options.calibration_sequences,
                             options.calibration_seq_len)
-    return SequentialCalibration(model, streamed, plan, candidates, blocks, options.calibration,
-                                 reading_seconds=time.perf_counter() - began)
+    kind = CompensatingCalibration if options.compensate else SequentialCalibration
+    return kind(model, streamed, plan, candidates, blocks, options.calibration,
+                reading_seconds=time.perf_counter() - began)
 
 
 def _tokenizer_or_none(path: str):

@@ -2,6 +2,7 @@
 meta device and reads each layer's weights just before decomposing it, and ends with the same
 checkpoint as converting the loaded model."""
 
+import dataclasses
 import json
 import re
 
@@ -172,7 +173,8 @@ def _with_tokenizer(tmp_path, case, tie=None):
                                        ("bert-mlm", None)])
 def test_a_calibrated_streamed_conversion_equals_calibrating_the_whole_model(case, tie, tmp_path):
     dense, tokenizer, cls = _with_tokenizer(tmp_path, case, tie)
-    options = ConvertOptions(ratio=2, calibration="english", calibration_sequences=16, calibration_seq_len=32)
+    options = ConvertOptions(ratio=2, calibration="english", calibration_sequences=16, calibration_seq_len=32,
+                             compensate=False)
     result = convert_checkpoint(str(dense), tmp_path / "tt", options)
     assert result.report.extra["streamed"] and "calibration" in result.report.extra
     reference = cls.from_pretrained(dense).eval()
@@ -182,6 +184,79 @@ def test_a_calibrated_streamed_conversion_equals_calibrating_the_whole_model(cas
     assert result.report.extra["calibration"] == expected.extra["calibration"]
     loaded = cls.from_pretrained(tmp_path / "tt").eval()
     assert torch.allclose(outputs(loaded), outputs(reference), atol=1e-4)
+
+
+@pytest.mark.parametrize("case, tie", [("llama-clm", True), ("gpt2-clm", None), ("bert-mlm", None)])
+def test_a_compensating_streamed_conversion_equals_compensating_on_the_whole_model(case, tie, tmp_path):
+    """Block by block, each linear is fit to the inputs the compressed layers before it produce: the
+    same checkpoint as running the whole dense and the whole half-converted model up to each layer."""
+    from comera_convert.conversion.calibration import add_gram, plan_calibration
+    from comera_convert.conversion.targets import find_candidates
+    from comera_convert.hf.compensating import COMPENSATION_RIDGE
+    from comera_convert.hf.sequential import find_blocks
+
+    dense, tokenizer, cls = _with_tokenizer(tmp_path, case, tie)
+    # A fixed rank: a ratio would compress only the tiny models' vocabulary-sized embedding.
+    # 64 x 32 tokens: 8 rows per input of the widest layer (GPT-2's 256), so every layer is compensated.
+    options = ConvertOptions(rank=6, calibration="english", calibration_sequences=64, calibration_seq_len=32)
+    result = convert_checkpoint(str(dense), tmp_path / "tt", options)
+    assert result.report.extra["streamed"]
+    reference, teacher = (cls.from_pretrained(dense).eval() for _ in range(2))
+    statistics = comera_convert.calibrate(reference, tokenizer, "english", sequences=64, seq_len=32)
+    candidates = find_candidates(reference, None, None, options.d)[0]
+    batches = plan_calibration(reference, candidates, tokenizer, "english", 64, 32).batches
+    blocks = find_blocks(reference)
+
+    def compensate(name):
+        if not name.startswith(f"{blocks}."):
+            return  # outside the stack: the dense statistics
+        width = _inputs_of(teacher, name, batches[:1])[0].shape[1]
+        gram, cross = (torch.zeros(width, width, dtype=torch.float64) for _ in range(2))
+        sums, dense_sums = (torch.zeros(width, dtype=torch.float64) for _ in range(2))
+        # Summed batch by batch from float32 products, as the conversion does: the truncated
+        # decompositions of a tiny random model amplify even rounding differences down the stack.
+        for x, x_hat in zip(_inputs_of(teacher, name, batches), _inputs_of(reference, name, batches)):
+            add_gram(gram, x_hat)
+            cross += (x_hat.T @ x).double()
+            sums += x_hat.sum(0).double()
+            dense_sums += x.sum(0).double()
+        gram.diagonal().add_(COMPENSATION_RIDGE * float(gram.diagonal().mean()))
+        statistics.grams[name], statistics.cross[name] = gram, cross
+        statistics.sums[name], statistics.dense_sums[name] = sums, dense_sums
+        statistics.rows[name] = sum(batch.numel() for batch in batches)
+        statistics._factors.pop(name, None)
+
+    comera_convert.convert(reference, options, calibration=statistics, load=compensate)
+    plain = convert_checkpoint(str(dense), tmp_path / "plain", dataclasses.replace(options, compensate=False))
+    loaded, uncompensated = (cls.from_pretrained(tmp_path / out).eval() for out in ("tt", "plain"))
+    assert torch.allclose(outputs(loaded), outputs(reference), atol=1e-4)
+    assert not torch.allclose(outputs(uncompensated), outputs(reference), atol=1e-3)
+    assert plain.report.modules == result.report.modules  # the same ranks: only the fit differs
+
+
+class _Reached(Exception):
+    pass
+
+
+def _inputs_of(model, name, batches):
+    """Each calibration batch's inputs to module ``name`` (float32 rows), the passes stopped there."""
+    rows = []
+
+    def capture(module, args):
+        rows.append(args[0].reshape(-1, args[0].shape[-1]).float())
+        raise _Reached
+
+    handle = model.get_submodule(name).register_forward_pre_hook(capture)
+    try:
+        for batch in batches:
+            try:
+                with torch.no_grad():
+                    model(input_ids=batch, use_cache=False)
+            except _Reached:
+                pass
+    finally:
+        handle.remove()
+    return rows
 
 
 def test_a_missing_or_truncated_shard_is_refused_in_one_line(tmp_path):

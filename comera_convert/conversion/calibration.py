@@ -58,6 +58,11 @@ class Calibration:
     sums: dict[str, torch.Tensor] = field(default_factory=dict)  # linear: (in,) sum of the input rows
     rows: dict[str, int] = field(default_factory=dict)  # linear: how many input rows were summed
     counts: dict[str, torch.Tensor] = field(default_factory=dict)  # embedding: (rows,) lookups
+    # Error-compensating calibration (``hf/compensating.py``): the grams and sums above then describe
+    # the inputs X^ the already compressed layers before a linear produce; ``cross`` is X^T X against
+    # the dense model's inputs X, ``dense_sums`` the sum of X's rows.
+    cross: dict[str, torch.Tensor] = field(default_factory=dict)  # linear: (in, in) X^T X
+    dense_sums: dict[str, torch.Tensor] = field(default_factory=dict)  # linear: (in,) sum of X's rows
     sequences: int = 0
     tokens: int = 0
     source: str | None = None
@@ -71,7 +76,7 @@ class Calibration:
     def forget(self, name: str) -> None:
         """Drop a layer's statistics once it is converted (a layer-by-layer calibration holds one
         block's Gram matrices at a time)."""
-        for table in (self.grams, self.sums, self.rows, self._factors):
+        for table in (self.grams, self.sums, self.rows, self.cross, self.dense_sums, self._factors):
             table.pop(name, None)
 
     def describe(self) -> str:
@@ -302,13 +307,16 @@ class _SharedInput:
 @torch.no_grad()
 def correct_bias(layer, dense_weight: torch.Tensor, name: str, stats: Calibration) -> None:
     """Shift a converted linear layer's bias by the mean change of its output on the calibration
-    inputs, mu (W - W_tt), so that the compression error has zero mean there (as bias correction
-    does for quantization). Layers without a bias are left as they are."""
+    inputs, W mu - W_tt mu^, so that the compression error has zero mean there (as bias correction
+    does for quantization); mu^ = mu but where the calibration compensates (the inputs the
+    compressed layers before it produce). Layers without a bias are left as they are."""
     if layer.bias is None or name not in stats.sums:
         return
-    mean_input = (stats.sums[name] / stats.rows[name]).to(layer.bias.device)
-    change = dense_weight.double() - layer.dense_weight().double()  # (out, in), as nn.Linear stores it
-    layer.bias.add_((change @ mean_input).to(layer.bias.dtype))
+    rows = stats.rows[name]
+    mean_input = (stats.sums[name] / rows).to(layer.bias.device)
+    dense_mean = (stats.dense_sums[name] / rows).to(layer.bias.device) if name in stats.dense_sums else mean_input
+    change = dense_weight.double() @ dense_mean - layer.dense_weight().double() @ mean_input  # (out, in) weights
+    layer.bias.add_(change.to(layer.bias.dtype))
 
 
 def weighted_decomposer(candidate: Candidate, stats: Calibration, layout: str):
@@ -323,8 +331,24 @@ def weighted_decomposer(candidate: Candidate, stats: Calibration, layout: str):
     if gram is None:
         return None
     if layout == "ttm":
-        return partial(_whitened_ttm, gram)
-    return partial(_whitened, stats.input_factor(candidate.name))
+        decompose = partial(_whitened_ttm, gram)
+    else:
+        decompose = partial(_whitened, stats.input_factor(candidate.name))
+    cross = stats.cross.get(candidate.name)
+    return decompose if cross is None else partial(_compensated, gram, cross, decompose)
+
+
+def compensated_matrix(matrix: torch.Tensor, gram: torch.Tensor, cross: torch.Tensor) -> torch.Tensor:
+    """The (in x out) matrix M* that best maps the inputs the compressed model gives a layer, X^, onto
+    the dense layer's outputs on the dense inputs X: argmin ||X^ M* - X M|| = G^-1 X^T X M, with
+    G = X^T X^ (``gram``, damped) and X^T X (``cross``). Decomposed whitened by G, its TT cores then
+    minimize ||X^ M_tt - X M||: the layer makes up for the error of the layers before it."""
+    target = torch.linalg.solve(gram.to(matrix.device), cross.to(matrix.device) @ matrix.detach().double())
+    return target.to(matrix.dtype)
+
+
+def _compensated(gram, cross, decompose, matrix, spec):
+    return decompose(compensated_matrix(matrix, gram, cross), spec)
 
 
 def _whitened(factor, matrix, spec):

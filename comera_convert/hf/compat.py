@@ -73,12 +73,21 @@ def _adjust_bias_except_tied_heads(model, output_embeddings, input_embeddings) -
         type(model)._adjust_bias(model, output_embeddings, input_embeddings)
 
 
-def retie_dense_heads(model: nn.Module) -> None:
+def retie_dense_heads(model: nn.Module) -> set[str]:
     """Share each tied parameter that stayed dense with its source again (touch 1): after a streaming
-    conversion gave the source its stored value, the head still held the meta placeholder."""
+    conversion gave the source its stored value, the head still held the meta placeholder. Returns
+    the tied parameters whose source is converted already (mid-conversion): the conversion ties
+    their heads to the TT module at its end."""
+    waiting = set()
     for target, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
         module_name, _, param_name = target.rpartition(".")
-        setattr(model.get_submodule(module_name), param_name, model.get_parameter(source))
+        try:
+            shared = model.get_parameter(source)
+        except AttributeError:
+            waiting.add(target)
+            continue
+        setattr(model.get_submodule(module_name), param_name, shared)
+    return waiting
 
 
 # 3, 5 --------------------------------------------------------------------------------------------

@@ -96,6 +96,7 @@ class SequentialCalibration:
         self.seconds = 0.0  # spent in calibration passes, interleaved with the conversion
         self.reading_seconds = reading_seconds  # spent reading the calibration text into ``plan``
         self.done_blocks = 0
+        self.last_outputs: list = []  # the last block run's outputs, replayed for the modules after the stack
         self.finished = False
         self.deferred: list[str] = []
 
@@ -131,7 +132,7 @@ class SequentialCalibration:
         raise StopForward
 
     @torch.no_grad()
-    def _run_block(self, index: int) -> list:
+    def _run_block(self, index: int) -> None:
         """Read block ``index``, record its candidates' inputs, move the hidden states past it."""
         for done in self.by_block[:index]:
             for candidate in done:  # what the converter left dense (too small to compress) is never released
@@ -146,22 +147,21 @@ class SequentialCalibration:
                 recorder.next_batch()
                 outputs.append(inputs.run(block))
         self.done_blocks = index + 1
-        return outputs
+        self.last_outputs = outputs
 
     @torch.no_grad()
     def _finish_blocks(self) -> None:
         """Run the blocks left, then the batches once more with the stack replayed, recording the
         modules after it (final norm's consumers: the output head)."""
-        outputs = []
         while self.done_blocks < len(self.stack):
-            outputs = self._run_block(self.done_blocks)
+            self._run_block(self.done_blocks)
         self.finished = True
         waiting = [c for c in self.outside if c.kind == "linear" and c.name not in self.stats.grams]
-        if not waiting or not outputs:
+        if not waiting or not self.last_outputs:
             return
         self._load_outside()
         stack = self.stack
-        set_submodule(self.model, self.blocks, nn.ModuleList([Replay(outputs)]))
+        set_submodule(self.model, self.blocks, nn.ModuleList([Replay(self.last_outputs)]))
         try:
             stops = [m.register_forward_pre_hook(self._stop_at_meta) for m in self.model.modules()
                      if not isinstance(m, (nn.ModuleList, Replay))]

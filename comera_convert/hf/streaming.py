@@ -136,8 +136,8 @@ def load_the_rest(model: nn.Module, source: SafetensorsSource, skip=lambda name:
             loaded = True
         if loaded and after is not None:
             after(name)
-    retie_dense_heads(model)
-    still_meta = [n for n, p in model.named_parameters() if p.is_meta and not skip(n)]
+    waiting = retie_dense_heads(model)
+    still_meta = [n for n, p in model.named_parameters() if p.is_meta and not skip(n) and n not in waiting]
     if still_meta:
         raise ModelLoadError(f"the checkpoint stores no value for {', '.join(still_meta[:3])}"
                              + (f" and {len(still_meta) - 3} more" if len(still_meta) > 3 else ""))
