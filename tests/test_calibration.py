@@ -313,7 +313,9 @@ def test_a_compensated_conversion_makes_up_for_the_error_of_the_layers_before_it
     assert errors[True][1] < 1e-4, errors  # the dense mean output, from the compressed inputs
 
 
-def test_compensate_is_true_or_false():
+def test_compensation_follows_the_ratio_unless_told_and_is_true_or_false():
     assert ConvertOptions(ratio=4).compensate is True
+    assert ConvertOptions(ratio=2).compensate is False and ConvertOptions(rank=8).compensate is False
+    assert ConvertOptions(ratio=2, compensate=True).compensate is True
     with pytest.raises(ConfigError, match=r"expected compensate as true or false \(got 'yes'\)"):
         ConvertOptions(ratio=4, compensate="yes")

@@ -52,9 +52,9 @@ def _default_out(model: str, ratio, rank) -> str:
 @click.option("--no-calibration", is_flag=True, default=False,
               help="Plain TT-SVD of the weights, no calibration text (keeps far less of the model).")
 @click.option("--calibration-sequences", type=int, default=None, help="Calibration sequences [default: 128].")
-@click.option("--no-compensate", is_flag=True, default=False,
-              help="Fit every layer to the dense model's inputs, not to those the compressed layers before it "
-                   "produce (calibrating block by block).")
+@click.option("--compensate/--no-compensate", default=None,
+              help="Fit each layer to the inputs the compressed layers before it produce, not to the dense "
+                   "model's (calibrating block by block) [default: from --ratio 3 on].")
 @click.option("--allocation", type=click.Choice(ALLOCATIONS), default=None,
               help="One shared rank; per-kind rank scales searched on the calibration text (measured); "
                    "or per-layer ranks from error estimates (sensitivity) [default: uniform].")
@@ -76,7 +76,7 @@ def _default_out(model: str, ratio, rank) -> str:
               help="Split the weights into files of at most SIZE (e.g. 2GB), with an index [default: 50GB].")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of tables.")
 def convert(model, ratio, rank, layout, embedding_layout, d, targets, exclude, no_gates, calibration,
-            no_calibration, calibration_sequences, no_compensate, allocation, rank_multiple, dtype, device, recipe,
+            no_calibration, calibration_sequences, compensate, allocation, rank_multiple, dtype, device, recipe,
             task, out, overwrite, max_shard_size, as_json):
     """Convert MODEL (directory, hub id or alias such as minilm, bert-base) to a TT checkpoint."""
     from ..recipes import convert_options
@@ -86,7 +86,7 @@ def convert(model, ratio, rank, layout, embedding_layout, d, targets, exclude, n
                  "targets": _patterns(targets), "exclude": _patterns(exclude),
                  "gates": False if no_gates else None, "calibration": calibration,
                  "calibration_sequences": calibration_sequences, "allocation": allocation,
-                 "compensate": False if no_compensate else None,
+                 "compensate": compensate,
                  "rank_multiple": rank_multiple, "dtype": dtype, "device": device}
     options = convert_options(recipe, overrides)
     if no_calibration:

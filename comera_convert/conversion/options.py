@@ -16,6 +16,10 @@ ALLOCATIONS = ("uniform", "measured", "sensitivity")
 # Debian descriptions): at --ratio 4 two modes keep 0.49 / 0.38 / 0.62 / 0.61 against three modes'
 # 0.43 / 0.33 / 0.46 / 0.53; at --ratio 2 three modes are the better (BENCHMARKS.md, Quality).
 TWO_MODES_FROM_RATIO = 3.0
+# Error compensation pays where the compression error is large: all-MiniLM-L6-v2 at --ratio 4
+# kept 0.72-0.74 of dense recall@1 on three natural-language domains instead of 0.49-0.62, at
+# --ratio 2 0.81-0.85 instead of 0.84-0.86 (BENCHMARKS.md, Conversion routes side by side).
+COMPENSATE_FROM_RATIO = 3.0
 
 
 @dataclass
@@ -49,10 +53,10 @@ class ConvertOptions:
     calibration_seq_len: int = 128
     # Calibrating block by block (`comera convert` of a safetensors checkpoint), fit each linear
     # layer to the inputs the already compressed layers before it produce, so that errors do not
-    # compound (hf/compensating.py): all-MiniLM-L6-v2 at --ratio 4 kept 0.69-0.71 of dense recall@1
-    # on three natural-language domains instead of 0.49-0.62. False: every layer fit to the dense
-    # model's inputs.
-    compensate: bool = True
+    # compound (hf/compensating.py). False: every layer fit to the dense model's inputs. None
+    # follows the ratio, as the modes do: on from COMPENSATE_FROM_RATIO, off below and for a
+    # fixed --rank.
+    compensate: bool | None = None
     # How --ratio's budget is split: "uniform" (one shared maximum rank), "measured" (per-kind rank
     # scales searched end to end on the calibration text; conversion/experimental/measured.py) or "sensitivity"
     # (per layer, from the calibration data's error estimates; conversion/experimental/sensitivity.py). Both are experimental: neither
@@ -117,6 +121,8 @@ class ConvertOptions:
         if self.rank_multiple != 1 and self.allocation == "sensitivity":
             raise ConfigError("rank_multiple applies to the uniform and measured allocations; the "
                               "sensitivity allocation climbs its own ladder of ranks")
+        if self.compensate is None:
+            self.compensate = self.rank is None and self.ratio >= COMPENSATE_FROM_RATIO
         if not isinstance(self.compensate, bool):
             raise ConfigError(expected("compensate as true or false", self.compensate))
         if self.dtype is not None:
