@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..conversion.calibration import add_gram
-from .sequential import BlockInputs, SequentialCalibration, StopForward
+from .sequential import BlockInputs, SequentialCalibration, StopForward, capture_into
 from .streaming import load_module
 
 # G is damped by this share of its mean diagonal before M* is solved for and whitened by: the
@@ -94,12 +94,7 @@ class CompensatingCalibration(SequentialCalibration):
     def _stack_inputs(self) -> list[BlockInputs]:
         """Every batch run up to the first block through the model as it is now (compressed)."""
         captured: list[BlockInputs] = []
-
-        def capture(module, args, kwargs):
-            captured.append(BlockInputs(args, dict(kwargs)))
-            raise StopForward
-
-        handle = self.stack[0].register_forward_pre_hook(capture, with_kwargs=True)
+        handle = self.stack[0].register_forward_pre_hook(partial(capture_into, captured), with_kwargs=True)
         try:
             for batch in self.plan.batches:
                 self._forward(batch)
@@ -109,11 +104,8 @@ class CompensatingCalibration(SequentialCalibration):
 
     def _open(self, index: int) -> None:
         """Read block ``index``, keep a dense copy of it, and find which of its candidates share an input."""
-        prefix = f"{self.blocks}.{index}"
-        for name, _ in self.stack[index].named_modules():
-            load_module(self.model, f"{prefix}.{name}" if name else prefix, self.streamed.source)
         self.open = index
-        self.dense_block = copy.deepcopy(self.stack[index]).eval()
+        self.dense_block = copy.deepcopy(self._load_block(index)).eval()
         self.shared = self._shared_inputs(index)
 
     @torch.no_grad()
@@ -147,8 +139,9 @@ class CompensatingCalibration(SequentialCalibration):
             if gram is None:
                 width = x.shape[1]
                 compensating = self.stats.tokens >= MIN_ROWS_PER_INPUT * width
-                gram, cross = (torch.zeros(width, width, dtype=torch.float64) for _ in range(2))
-                sums, dense_sums = (torch.zeros(width, dtype=torch.float64) for _ in range(2))
+                gram, sums = torch.zeros(width, width, dtype=torch.float64), torch.zeros(width, dtype=torch.float64)
+                if compensating:
+                    cross, dense_sums = torch.zeros_like(gram), torch.zeros_like(sums)
             x_hat = _input_of(layer, block, inputs) if compensating else x
             add_gram(gram, x_hat)
             sums.add_(x_hat.sum(0).double().cpu())

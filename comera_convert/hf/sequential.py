@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import time
+from functools import partial
 
 import torch
 from torch import nn
@@ -61,6 +62,12 @@ class BlockInputs:
         else:
             self.kwargs = {**self.kwargs, "hidden_states": hidden}
         return output
+
+
+def capture_into(store: list, module, args, kwargs):
+    """A forward pre-hook (with kwargs) on the first block: keep what the batch passes it, stop there."""
+    store.append(BlockInputs(args, dict(kwargs)))
+    raise StopForward
 
 
 class Replay(nn.Module):
@@ -117,7 +124,7 @@ class SequentialCalibration:
                    if self.block_of(n) is None and n != self.blocks
                    and next(m.parameters(recurse=False), None) is not None]
         handles = [m.register_forward_pre_hook(lambda module, args, name=n: ran.add(name)) for n, m in outside]
-        handles.append(self.stack[0].register_forward_pre_hook(self._capture, with_kwargs=True))
+        handles.append(self.stack[0].register_forward_pre_hook(partial(capture_into, self.inputs), with_kwargs=True))
         self._recorded_pass(self.outside, handles)
         for name, module in outside:
             if name not in ran:  # after the blocks (final norm, head): read again when needed
@@ -127,20 +134,13 @@ class SequentialCalibration:
     def _load_outside(self) -> None:
         load_the_rest(self.model, self.streamed.source, skip=lambda name: self.block_of(name) is not None)
 
-    def _capture(self, module, args, kwargs):
-        self.inputs.append(BlockInputs(args, dict(kwargs)))
-        raise StopForward
-
     @torch.no_grad()
     def _run_block(self, index: int) -> None:
         """Read block ``index``, record its candidates' inputs, move the hidden states past it."""
         for done in self.by_block[:index]:
             for candidate in done:  # what the converter left dense (too small to compress) is never released
                 self.stats.forget(candidate.name)
-        block = self.stack[index]
-        prefix = f"{self.blocks}.{index}"
-        for name, _ in block.named_modules():  # load_module reads only what is still on the meta device
-            load_module(self.model, f"{prefix}.{name}" if name else prefix, self.streamed.source)
+        block = self._load_block(index)
         outputs = []
         with Recorder(self.stats, self.by_block[index]) as recorder:
             for inputs in self.inputs:
@@ -148,6 +148,13 @@ class SequentialCalibration:
                 outputs.append(inputs.run(block))
         self.done_blocks = index + 1
         self.last_outputs = outputs
+
+    def _load_block(self, index: int) -> nn.Module:
+        """Block ``index`` with its weights read (load_module reads only what is still on the meta device)."""
+        prefix = f"{self.blocks}.{index}"
+        for name, _ in self.stack[index].named_modules():
+            load_module(self.model, f"{prefix}.{name}" if name else prefix, self.streamed.source)
+        return self.stack[index]
 
     @torch.no_grad()
     def _finish_blocks(self) -> None:
