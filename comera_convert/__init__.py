@@ -26,7 +26,7 @@ EXPORTS = {
     "train": "training", "TrainOptions": "training", "evaluate": "evaluation",
     "ConvertOptions": "conversion", "ConversionReport": "conversion", "Calibration": "conversion",
     "ComeraError": "errors",
-    "TTLinear": "layers", "TTEmbedding": "layers", "TTModule": "layers", "TiedTTHead": "layers",
+    "TTLinear": "layers", "TTEmbedding": "layers", "CodebookEmbedding": "layers", "TTModule": "layers", "TiedTTHead": "layers",
     "lora_config": "hf.lora", "load_lora": "hf.lora",  # need peft
 }
 __all__ = ["__version__", *EXPORTS]

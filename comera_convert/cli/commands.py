@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from ..conversion.options import ALLOCATIONS
+from ..conversion.options import ALLOCATIONS, WORD_EMBEDDINGS
 from ..errors import ConfigError
 from ..models import TASK_CLASSES
 from . import main
@@ -41,6 +41,9 @@ def _default_out(model: str, ratio, rank) -> str:
 @click.option("--layout", default=None, help="Layout of linear layers: tt (CoMERA) or ttm [default: tt].")
 @click.option("--embedding-layout", default=None,
               help="Layout of embeddings: tt or ttm (CoMERA) [default: tt].")
+@click.option("--word-embedding", type=click.Choice(WORD_EMBEDDINGS), default=None,
+              help="The input embedding as a tt, or as a codebook table (one byte per 4 columns of a row, "
+                   "shared centres) whose savings go to the linears [default: codebook with --ratio, tt with --rank].")
 @click.option("--modes", "d", type=int, default=None,
               help="Tensor modes per side, 1 (plain low-rank, a truncated SVD) to 4 [default: 3; 2 from --ratio 3 on].")
 @click.option("--targets", default=None, help="Comma-separated module-name patterns to convert.")
@@ -75,14 +78,15 @@ def _default_out(model: str, ratio, rank) -> str:
 @click.option("--max-shard-size", default=None, metavar="SIZE",
               help="Split the weights into files of at most SIZE (e.g. 2GB), with an index [default: 50GB].")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of tables.")
-def convert(model, ratio, rank, layout, embedding_layout, d, targets, exclude, no_gates, calibration,
+def convert(model, ratio, rank, layout, embedding_layout, word_embedding, d, targets, exclude, no_gates, calibration,
             no_calibration, calibration_sequences, compensate, allocation, rank_multiple, dtype, device, recipe,
             task, out, overwrite, max_shard_size, as_json):
     """Convert MODEL (directory, hub id or alias such as minilm, bert-base) to a TT checkpoint."""
     from ..recipes import convert_options
     from ..api import convert_checkpoint
 
-    overrides = {"ratio": ratio, "rank": rank, "layout": layout, "embedding_layout": embedding_layout, "d": d,
+    overrides = {"ratio": ratio, "rank": rank, "layout": layout, "embedding_layout": embedding_layout,
+                 "word_embedding": word_embedding, "d": d,
                  "targets": _patterns(targets), "exclude": _patterns(exclude),
                  "gates": False if no_gates else None, "calibration": calibration,
                  "calibration_sequences": calibration_sequences, "allocation": allocation,

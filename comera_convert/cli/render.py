@@ -49,7 +49,9 @@ def fitted(title: str, columns: list[tuple[str, str]], rows: list[list[str]], wi
     return Group(*parts, Text(""))
 
 
-def _ranks_text(ranks) -> str:
+def _ranks_text(ranks, layout: str = "tt") -> str:
+    if layout == "codebook":  # codes and centres: no bonds
+        return "-"
     return ",".join(map(str, ranks)) if ranks else "shared"
 
 
@@ -66,7 +68,7 @@ def modules_table(report, width: int, by_block: bool = True) -> RenderableType:
         tied = first.kind == "tied_head"
         varies = "*" if len({tuple(r.ranks) for r in members}) > 1 else ""
         rows.append([key, "tied" if tied else first.layout, f"{first.rows}x{first.cols}",
-                     "embedding's" if tied else _ranks_text(first.ranks) + varies, str(len(members)),
+                     "embedding's" if tied else _ranks_text(first.ranks, first.layout) + varies, str(len(members)),
                      f"{dense:,}", f"{tt:,}", f"{dense / tt:.1f}x" if tt else "-"])
     columns = [("module", "left"), ("layout", "left"), ("shape", "right"), ("ranks", "left"), ("n", "right"),
                ("dense", "right"), ("TT", "right"), ("ratio", "right")]

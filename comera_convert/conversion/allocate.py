@@ -4,8 +4,9 @@ The ratio counts every parameter of the model, dense ones included:
     ratio = params(dense model) / params(converted model).
 A single maximum rank r is shared by all converted layers (each clipped to what its shape
 allows, as CoMERA uses rank 30 everywhere); r is the largest value whose model still meets the
-ratio, found by bisection since the parameter count grows with r. A layer whose TT form at r
-would not be smaller than the dense one stays dense. The budget left over then
+ratio, found by bisection since the parameter count grows with r. A table held as a codebook
+(``LayoutChoice.codebook``) costs the same at every r: the budget it leaves goes to the TT layers.
+A layer whose TT form at r would not be smaller than the dense one stays dense. The budget left over then
 lifts the largest layers to the next rank, one at a time, while the ratio still holds. With a
 rank multiple m (tensor-core friendly shapes), r and the next rank are multiples of m.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..codebook import CodebookSpec
 from ..errors import RatioError
 from ..tt.counting import num_gate_params, num_params
 from ..tt.spec import TTSpec
@@ -22,24 +24,33 @@ from .targets import Candidate
 
 @dataclass(frozen=True)
 class LayoutChoice:
-    """How layers are laid out: the tt/ttm layout of linears and embeddings, and modes per side."""
+    """How layers are laid out: the tt/ttm layout of linears and embeddings, modes per side, and the
+    embeddings held as codebook tables instead (by name) with their slices' width."""
 
     linear: str = "tt"
     embedding: str = "tt"
     d: int = 3
     gates: bool = True
     rank_multiple: int = 1  # chosen ranks are multiples of this (tensor-core friendly at 8)
+    codebook: frozenset[str] = frozenset()
+    codebook_width: int = 4
 
     def rounded(self, rank: float) -> int:
         """``rank`` rounded to the nearest multiple of ``rank_multiple`` (at least one multiple)."""
         return max(1, round(rank / self.rank_multiple)) * self.rank_multiple
 
-    def spec(self, candidate: Candidate, rank) -> TTSpec:
+    def spec(self, candidate: Candidate, rank) -> TTSpec | CodebookSpec:
+        if candidate.name in self.codebook:
+            element_size = candidate.module.weight.element_size()
+            return CodebookSpec.plan(candidate.rows, candidate.cols, self.codebook_width, element_size)
         layout = self.embedding if candidate.kind == "embedding" else self.linear
         return TTSpec.plan(candidate.rows, candidate.cols, rank, layout=layout, d=self.d)
 
-    def stored_params(self, spec: TTSpec) -> int:
-        """What a converted layer stores for its matrix: cores, plus gates when they are on."""
+    def stored_params(self, spec: TTSpec | CodebookSpec) -> int:
+        """What a converted layer stores for its matrix: cores, plus gates when they are on (a
+        codebook table: its codebooks and codes)."""
+        if isinstance(spec, CodebookSpec):
+            return spec.stored_params
         return num_params(spec) + (num_gate_params(spec) if self.gates else 0)
 
 
@@ -83,7 +94,8 @@ def allocate_ranks(candidates: list[Candidate], total_params: int, ratio: float,
     if best < ratio:
         raise RatioError(f"ratio {ratio:g} cannot be reached with these targets: the largest reachable "
                          f"ratio is {best:.2f} (every converted layer at rank {step})")
-    high = max(1, max(max(choice.spec(c, 1).max_ranks) for c in candidates) // step)
+    planned = [choice.spec(c, 1) for c in candidates]
+    high = max(1, max((max(s.max_ranks) for s in planned if isinstance(s, TTSpec)), default=1) // step)
     low = 1  # in multiples of step; invariant: ratio_at(low * step) >= ratio
     while low < high:
         mid = (low + high + 1) // 2

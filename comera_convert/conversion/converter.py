@@ -12,8 +12,9 @@ from typing import Callable
 
 from torch import nn
 
+from ..codebook import CodebookSpec
 from ..errors import ConfigError
-from ..layers import TTEmbedding, TTLinear, TTModule
+from ..layers import CodebookEmbedding, TTEmbedding, TTLinear, TTModule
 from ..layers.swap import set_submodule
 from ..layers.tt_linear import dense_weight_of
 from ..tt.decompose import matrix_to_cores
@@ -27,8 +28,10 @@ from .targets import find_candidates
 
 
 def count_params(model: nn.Module) -> int:
-    """Parameters of the model, each shared tensor counted once."""
-    return sum(p.numel() for p in model.parameters())
+    """Parameters of the model, each shared tensor counted once; a codebook table's codes count as
+    the parameters they weigh as much as (``CodebookEmbedding.stored_params``)."""
+    codes = sum(m.stored_params() - m.codebooks.numel() for m in model.modules() if isinstance(m, CodebookEmbedding))
+    return sum(p.numel() for p in model.parameters()) + codes
 
 
 def convert_modules(model: nn.Module, options: ConvertOptions, calibration: Calibration | None = None,
@@ -52,7 +55,7 @@ def convert_modules(model: nn.Module, options: ConvertOptions, calibration: Cali
     if options.calibration is not None and calibration is None:
         raise ConfigError(f"calibration {options.calibration!r} was asked for but no statistics were given: "
                           f"pass calibration=calibrate(model, tokenizer, {options.calibration!r})")
-    if any(isinstance(m, TTModule) for m in model.modules()):
+    if any(isinstance(m, (TTModule, CodebookEmbedding)) for m in model.modules()):
         raise ConfigError("the model is already compressed: convert the dense model, "
                           "or retrain this one with `comera train`")
     start = time.perf_counter()
@@ -60,7 +63,8 @@ def convert_modules(model: nn.Module, options: ConvertOptions, calibration: Cali
     candidates, tied, skipped = find_candidates(model, options.targets, options.exclude, options.d)
     if not candidates:
         raise ConfigError("no module to convert: every Linear and Embedding was excluded or is too small")
-    choice = LayoutChoice(options.layout, options.embedding_layout, options.d, options.gates, options.rank_multiple)
+    choice = LayoutChoice(options.layout, options.embedding_layout, options.d, options.gates, options.rank_multiple,
+                          codebook_tables(model, candidates, tied, options), options.codebook_width)
     allocation = _allocate(model, candidates, params_before, options, choice, calibration, progress)
     for candidate, spec in zip(candidates, allocation.specs):
         if spec is None:
@@ -83,6 +87,19 @@ def convert_modules(model: nn.Module, options: ConvertOptions, calibration: Cali
     if calibration is not None:
         report.extra["calibration"] = calibration.describe()
     return report
+
+
+def codebook_tables(model: nn.Module, candidates, tied, options: ConvertOptions) -> frozenset[str]:
+    """The candidates held as codebook tables: the input embedding when options ask for one and no
+    head is tied to it."""
+    if options.word_embedding != "codebook":
+        return frozenset()
+    try:
+        table = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return frozenset()
+    tied_to = {head.embedding_name for head in tied}
+    return frozenset(c.name for c in candidates if c.module is table and c.name not in tied_to)
 
 
 def _allocate(model, candidates, params_before, options, choice, calibration, progress) -> Allocation:
@@ -109,8 +126,8 @@ def on_device(decompose, device: str):
 def swap_in(model: nn.Module, candidates, specs, options: ConvertOptions, calibration: Calibration | None = None,
             progress: Callable[[str, int, int], None] | None = None,
             load: Callable[[str], None] | None = None, release: Callable[[str], None] | None = None) -> None:
-    """Replace each candidate that has a spec by its TT module, decomposed from its weights (by the
-    calibration's weighted decomposition when there is one); a None spec leaves it dense. ``load``
+    """Replace each candidate that has a spec by its TT module (``_tt_module``) or codebook table
+    (fit by k-means to its rows); a None spec leaves it dense. ``load``
     and ``release`` (streaming) bracket each module: ``convert_modules`` says what they do."""
     for index, (candidate, spec) in enumerate(zip(candidates, specs)):
         if spec is None:
@@ -119,23 +136,32 @@ def swap_in(model: nn.Module, candidates, specs, options: ConvertOptions, calibr
             progress(candidate.name, index, len(candidates))
         if load is not None:
             load(candidate.name)
-        kwargs = dict(rank=spec.ranks, layout=spec.layout, d=options.d, gates=options.gates)
-        decompose = calibration and weighted_decomposer(candidate, calibration, spec.layout)
-        if options.device is not None:
-            decompose = on_device(decompose or matrix_to_cores, options.device)
-        if decompose:
-            kwargs["decompose"] = decompose
-        if candidate.kind == "embedding":
-            order = calibration.token_order(candidate.name) if calibration is not None else None
-            new = TTEmbedding.from_embedding(candidate.module, row_modes=spec.row_modes,
-                                             col_modes=spec.col_modes, token_order=order, **kwargs)
+        if isinstance(spec, CodebookSpec):
+            new = CodebookEmbedding.from_embedding(candidate.module, spec.subspaces, spec.codewords,
+                                                   device=options.device)
         else:
-            new = TTLinear.from_linear(candidate.module, in_modes=spec.row_modes, out_modes=spec.col_modes,
-                                       **kwargs)
-            if calibration is not None:
-                correct_bias(new, dense_weight_of(candidate.module)[0], candidate.name, calibration)
+            new = _tt_module(candidate, spec, options, calibration)
         set_submodule(model, candidate.name, new)
         if load is not None:  # streaming: the dense weight read for this layer is not needed again
             candidate.module.to("meta")
         if release is not None:
             release(candidate.name)
+
+
+def _tt_module(candidate, spec, options: ConvertOptions, calibration: Calibration | None) -> TTModule:
+    """The candidate's TT module at ``spec``, decomposed from its weights (by the calibration's
+    weighted decomposition when there is one; on ``options.device`` when given)."""
+    kwargs = dict(rank=spec.ranks, layout=spec.layout, d=options.d, gates=options.gates)
+    decompose = calibration and weighted_decomposer(candidate, calibration, spec.layout)
+    if options.device is not None:
+        decompose = on_device(decompose or matrix_to_cores, options.device)
+    if decompose:
+        kwargs["decompose"] = decompose
+    if candidate.kind == "embedding":
+        order = calibration.token_order(candidate.name) if calibration is not None else None
+        return TTEmbedding.from_embedding(candidate.module, row_modes=spec.row_modes,
+                                          col_modes=spec.col_modes, token_order=order, **kwargs)
+    new = TTLinear.from_linear(candidate.module, in_modes=spec.row_modes, out_modes=spec.col_modes, **kwargs)
+    if calibration is not None:
+        correct_bias(new, dense_weight_of(candidate.module)[0], candidate.name, calibration)
+    return new

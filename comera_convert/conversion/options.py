@@ -20,6 +20,7 @@ TWO_MODES_FROM_RATIO = 3.0
 # kept 0.72-0.74 of dense recall@1 on three natural-language domains instead of 0.49-0.62, at
 # --ratio 2 0.81-0.85 instead of 0.84-0.86 (BENCHMARKS.md, Conversion routes side by side).
 COMPENSATE_FROM_RATIO = 3.0
+WORD_EMBEDDINGS = ("tt", "codebook")
 
 
 @dataclass
@@ -74,6 +75,21 @@ class ConvertOptions:
     # mean cosine by 0.03 to 0.04 at --ratio 2 and 4; 2.5 and 4 starve the linears at --ratio 2
     # (BENCHMARKS.md, Quality). The embedding carries every token's meaning into mean pooling.
     embedding_rank_scale: float = 1.5
+    # The input (word) embedding as "tt" (as the other embeddings, by embedding_layout) or as a
+    # "codebook": product-quantized (codebook/), each row one byte per slice of codebook_width
+    # columns, naming one of 256 shared centres per slice. A TT over token ids keeps the rows of the
+    # few most frequent tokens; a codebook keeps every row coarsely, and what it saves goes to the
+    # linears. all-MiniLM-L6-v2, share of dense recall@1 kept on held-out english / code / man /
+    # Debian pairs: --ratio 4 TT table 0.72 / 0.52 / 0.73 / 0.74, codebook 0.84 / 0.57 / 0.84 / 0.80;
+    # --ratio 2 TT table 0.84 / 0.71 / 0.86 / 0.84, codebook 0.94 / 0.86 / 0.96 / 0.97 (BENCHMARKS.md,
+    # Conversion routes side by side). None: codebook with a --ratio (uniform allocation), tt with a
+    # fixed --rank (CoMERA's layout). A table a head is tied to (GPT-2's, BERT-MLM's) stays tt: the
+    # head runs on its cores.
+    word_embedding: str | None = None
+    # Columns per codebook slice. MiniLM at --ratio 4, recall@1 kept on english / code / man / Debian
+    # (an early study that gave the linears less than the table saved): 0.80 / 0.52 / 0.79 / 0.76
+    # at 4, 0.77 / 0.52 / 0.79 / 0.75 at 3, 0.76 / 0.62 / 0.76 / 0.75 at 8.
+    codebook_width: int = 4
     # The dtype the checkpoint stores its tensors in (float32, bfloat16, float16); None keeps the
     # source's. bfloat16 halves a float32 checkpoint (conversion/storage.py).
     dtype: str | None = None
@@ -121,6 +137,16 @@ class ConvertOptions:
         if self.rank_multiple != 1 and self.allocation == "sensitivity":
             raise ConfigError("rank_multiple applies to the uniform and measured allocations; the "
                               "sensitivity allocation climbs its own ladder of ranks")
+        if self.word_embedding is None:
+            self.word_embedding = "codebook" if self.rank is None and self.allocation == "uniform" else "tt"
+        if self.word_embedding not in WORD_EMBEDDINGS:
+            raise ConfigError(expected(f"word_embedding in {WORD_EMBEDDINGS}", self.word_embedding))
+        if self.word_embedding == "codebook" and self.allocation != "uniform":
+            raise ConfigError(f"a codebook word embedding works with the uniform allocation, not "
+                              f"{self.allocation!r}: give --word-embedding tt for it")
+        width = self.codebook_width
+        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+            raise ConfigError(expected("codebook_width as a positive integer (columns per slice)", width))
         if self.compensate is None:
             self.compensate = self.rank is None and self.ratio >= COMPENSATE_FROM_RATIO
         if not isinstance(self.compensate, bool):

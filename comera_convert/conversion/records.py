@@ -4,6 +4,7 @@ functions that build TT modules from records (when loading) or records from modu
 A record is a JSON-able dict:
     {"kind": "linear", "spec": {...TTSpec...}, "bias": true, "gates": true}
     {"kind": "embedding", "spec": {...}, "padding_idx": 0, "gates": true, "reordered": false}
+    {"kind": "codebook_embedding", "spec": {...CodebookSpec...}, "padding_idx": 0}
     {"kind": "tied_head", "embedding": "bert.embeddings.word_embeddings", "bias": true}
 """
 
@@ -12,12 +13,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..codebook import CodebookSpec
 from ..errors import ModelLoadError, expected
-from ..layers import TiedTTHead, TTEmbedding, TTLinear, TTModule
+from ..layers import CodebookEmbedding, TiedTTHead, TTEmbedding, TTLinear, TTModule
 from ..layers.swap import set_submodule
 from ..tt.spec import TTSpec
 
-KINDS = ("linear", "embedding", "tied_head")
+KINDS = ("linear", "embedding", "codebook_embedding", "tied_head")
+COMPRESSED = (TTModule, CodebookEmbedding, TiedTTHead)  # the modules a checkpoint records
 
 
 def record_of(module: nn.Module, model: nn.Module | None = None) -> dict:
@@ -28,17 +31,19 @@ def record_of(module: nn.Module, model: nn.Module | None = None) -> dict:
     if isinstance(module, TTEmbedding):
         return {"kind": "embedding", "spec": module.spec.to_dict(), "padding_idx": module.padding_idx,
                 "gates": module.gated, "reordered": module.row_of_token is not None}
+    if isinstance(module, CodebookEmbedding):
+        return {"kind": "codebook_embedding", "spec": module.spec.to_dict(), "padding_idx": module.padding_idx}
     if isinstance(module, TiedTTHead):
         names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
         return {"kind": "tied_head", "embedding": names.get(id(module.embedding)),
                 "bias": module.bias is not None}
-    raise TypeError(expected("a TTLinear, TTEmbedding or TiedTTHead", type(module).__name__))
+    raise TypeError(expected("a TTLinear, TTEmbedding, CodebookEmbedding or TiedTTHead", type(module).__name__))
 
 
 def records_of(model: nn.Module) -> dict[str, dict]:
     """Records of every converted module of a model, by module name."""
     return {name: record_of(module, model) for name, module in model.named_modules()
-            if isinstance(module, (TTModule, TiedTTHead))}
+            if isinstance(module, COMPRESSED)}
 
 
 def _check(record: dict, name: str) -> None:
@@ -52,6 +57,10 @@ def module_from_record(record: dict, name: str, dtype=None, device=None) -> nn.M
     _check(record, name)
     if record["kind"] == "tied_head":
         raise ValueError("tied heads are built by tie_heads, after their embedding")
+    if record["kind"] == "codebook_embedding":
+        spec = CodebookSpec.from_dict(record["spec"])
+        return CodebookEmbedding(spec.rows, spec.cols, record.get("padding_idx"), subspaces=spec.subspaces,
+                                 codewords=spec.codewords, device=device, dtype=dtype)
     spec = TTSpec.from_dict(record["spec"])
     common = dict(rank=spec.ranks, layout=spec.layout, d=len(spec.row_modes), gates=record.get("gates", True),
                   device=device, dtype=dtype)
@@ -68,8 +77,11 @@ def module_from_record(record: dict, name: str, dtype=None, device=None) -> nn.M
 
 
 def format_version(records: dict[str, dict]) -> int:
-    """The oldest checkpoint format that can hold these records: 2 once an embedding is reordered
-    (a reader of version 1 would ignore the order and look up the wrong rows), 1 otherwise."""
+    """The oldest checkpoint format that can hold these records: 3 once an embedding is a codebook
+    table, 2 once one is reordered (a reader of version 1 would ignore the order and look up the
+    wrong rows), 1 otherwise."""
+    if any(r.get("kind") == "codebook_embedding" for r in records.values()):
+        return 3
     return 2 if any(r.get("reordered") for r in records.values()) else 1
 
 

@@ -107,7 +107,7 @@ def describe(model, **fields) -> ConversionReport:
     The dense parameter count comes from the model's compression record; ``fields`` fill the
     rest (skipped modules, timing, target ratio) where the caller knows them.
     """
-    from ..layers import TiedTTHead, TTModule
+    from ..layers import CodebookEmbedding, TiedTTHead, TTModule
     from .converter import count_params
 
     rows = []
@@ -118,6 +118,10 @@ def describe(model, **fields) -> ConversionReport:
             kind = "embedding" if hasattr(module, "num_embeddings") else "linear"
             rows.append(ModuleRow(name, kind, spec.layout, spec.rows, spec.cols, list(module.ranks),
                                   spec.rows * spec.cols, own))
+        elif isinstance(module, CodebookEmbedding):
+            spec = module.spec
+            rows.append(ModuleRow(name, "embedding", spec.layout, spec.rows, spec.cols, [],  # no bonds
+                                  spec.rows * spec.cols, module.stored_params()))
         elif isinstance(module, TiedTTHead):
             rows.append(ModuleRow(name, "tied_head", "-", module.in_features, module.out_features, [], 0, 0))
     quantization_config = getattr(getattr(model, "config", None), "quantization_config", None)

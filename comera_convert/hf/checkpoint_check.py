@@ -77,13 +77,27 @@ def check_row_orders(model) -> None:
                                  f"its rows shuffled)")
 
 
+def check_codes(model) -> None:
+    """Refuse a codebook table whose stored codes name centres its codebooks do not have (a damaged
+    file, or codes of another table): the rows would be read from the wrong centres."""
+    from ..layers import CodebookEmbedding
+
+    for name, module in model.named_modules():
+        if not isinstance(module, CodebookEmbedding) or module.codes.is_meta:
+            continue
+        highest = int(module.codes.max()) if module.codes.numel() else 0
+        if highest >= module.spec.codewords:
+            raise ModelLoadError(f"{name}.codes names centre {highest}, but its codebooks hold "
+                                 f"{module.spec.codewords}: the checkpoint's codes do not belong to its codebooks")
+
+
 def check_tensors_match(model, checkpoint_files) -> None:
     """Every TT tensor the model expects is stored, with the recorded shape."""
     from ..conversion.records import tensor_shapes
-    from ..layers import TTModule
+    from ..layers import CodebookEmbedding, TTModule
 
     stored = stored_shapes(checkpoint_files)
-    prefixes = [name + "." for name, m in model.named_modules() if isinstance(m, TTModule)]
+    prefixes = [name + "." for name, m in model.named_modules() if isinstance(m, (TTModule, CodebookEmbedding))]
     prefix = getattr(model, "base_model_prefix", "")
     for key, shape in tensor_shapes(model).items():
         if not any(key.startswith(p) for p in prefixes):

@@ -37,7 +37,7 @@ import types
 from torch import nn
 
 from ..errors import ConfigError
-from ..layers import TiedTTHead, TTModule
+from ..layers import CodebookEmbedding, TiedTTHead, TTModule
 
 SUPPORTED_TRANSFORMERS = ">=5.1,<6"
 TRAINER_HOOKS = ("_save_checkpoint", "_save", "_load_from_checkpoint", "_load_optimizer_and_scheduler")
@@ -55,7 +55,8 @@ def untie_converted_heads(model: nn.Module) -> None:
     tied = getattr(model, "all_tied_weights_keys", None)
     if not tied:
         return
-    converted = [name for name, module in model.named_modules() if isinstance(module, (TTModule, TiedTTHead))]
+    converted = [name for name, module in model.named_modules()
+                 if isinstance(module, (TTModule, CodebookEmbedding, TiedTTHead))]
 
     def touches(param_name: str) -> bool:
         return any(param_name == f"{m}.weight" for m in converted)

@@ -15,8 +15,9 @@ from ..errors import ModelLoadError, expected
 
 QUANT_METHOD = "comera"
 # Bump when the record format changes; older versions must keep loading. 2: embeddings may hold
-# their rows in another order than the token ids ("reordered", with a row_of_token tensor).
-FORMAT_VERSION = 2
+# their rows in another order than the token ids ("reordered", with a row_of_token tensor). 3: an
+# embedding may be a product-quantized table ("codebook_embedding", with codebooks and codes tensors).
+FORMAT_VERSION = 3
 # config.json names this file as the model's weights. It does not exist: a transformers that does
 # not know comera_convert stops on it with this instruction, instead of loading a dense model
 # with random weights. comera_convert's quantizer points transformers at model.safetensors.

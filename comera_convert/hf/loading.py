@@ -58,9 +58,10 @@ def _dense_linear(module) -> nn.Module:
 
 
 def _dense_embedding(module) -> nn.Embedding:
+    table = module.dense_matrix()
     dense = nn.Embedding(module.num_embeddings, module.embedding_dim, module.padding_idx,
-                         device=module.cores[0].device, dtype=module.cores[0].dtype)
-    dense.weight.copy_(module.dense_matrix())
+                         device=table.device, dtype=table.dtype)
+    dense.weight.copy_(table)
     return dense
 
 
@@ -70,14 +71,14 @@ def decompress_model(model: nn.Module) -> nn.Module:
 
     A head tied to a converted embedding becomes a Linear tied to the dense embedding again.
     """
-    from ..layers import TiedTTHead, TTEmbedding, TTLinear
+    from ..layers import CodebookEmbedding, TiedTTHead, TTEmbedding, TTLinear
 
     name_of = {id(m): n for n, m in model.named_modules()}
     heads = []
     for name, module in list(model.named_modules()):
         if isinstance(module, TTLinear):
             set_submodule(model, name, _dense_linear(module))
-        elif isinstance(module, TTEmbedding):
+        elif isinstance(module, (TTEmbedding, CodebookEmbedding)):
             set_submodule(model, name, _dense_embedding(module))
         elif isinstance(module, TiedTTHead):
             heads.append((name, module, name_of[id(module.embedding)]))

@@ -155,7 +155,7 @@ def size_table(report: ConversionReport) -> str:
     for block, rows in groups.items():
         first = rows[0]
         tied = first.kind == "tied_head"  # contracts with its embedding's cores: no parameters of its own
-        ranks = "the embedding's" if tied else ", ".join(map(str, first.ranks))
+        ranks = "the embedding's" if tied else ", ".join(map(str, first.ranks)) or "-"
         varies = " (varies)" if len({tuple(r.ranks) for r in rows}) > 1 else ""
         lines.append(f"| `{block}` | {len(rows)} | {'tied' if tied else first.layout} | {first.rows} x {first.cols} | {ranks}{varies} | "
                      f"{sum(r.dense_params for r in rows):,} | {sum(r.tt_params for r in rows):,} |")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from transformers.quantizers import HfQuantizer
 
 from ..conversion.records import build_from_records, tie_heads_to_converted_embeddings
-from .checkpoint_check import check_row_orders, check_tensors_match
+from .checkpoint_check import check_codes, check_row_orders, check_tensors_match
 from .compat import mark_compressed, register_quantization_method, untie_converted_heads
 from .config import QUANT_METHOD, WEIGHTS_GUARD, ComeraConfig
 
@@ -58,6 +58,7 @@ class ComeraQuantizer(HfQuantizer):
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         check_row_orders(model)
+        check_codes(model)
         mark_compressed(model, self.quantization_config)
         return model
 

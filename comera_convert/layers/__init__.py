@@ -1,8 +1,9 @@
-"""nn.Modules over the TT math: thin wrappers that hold cores and rank gates."""
+"""nn.Modules over the TT and codebook math: thin wrappers that hold cores and rank gates, or codebooks and codes."""
 
 from .base import TTModule
+from .codebook_embedding import CodebookEmbedding
 from .tt_embedding import TTEmbedding
 from .tt_linear import TTLinear
 from .tied_head import TiedTTHead
 
-__all__ = ["TTEmbedding", "TTLinear", "TTModule", "TiedTTHead"]
+__all__ = ["CodebookEmbedding", "TTEmbedding", "TTLinear", "TTModule", "TiedTTHead"]

@@ -24,6 +24,35 @@ def check_size(name: str, value) -> None:
         raise ValueError(expected(f"{name} as a positive int", value))
 
 
+def checked_padding_idx(padding_idx: int | None, num_embeddings: int) -> int | None:
+    """``padding_idx`` as nn.Embedding takes it (negative counts from the end), made nonnegative."""
+    if padding_idx is None:
+        return None
+    if not -num_embeddings <= padding_idx < num_embeddings:
+        raise ValueError(expected(f"padding_idx within [-{num_embeddings}, {num_embeddings})", padding_idx))
+    return padding_idx % num_embeddings
+
+
+def check_token_ids(indices: torch.Tensor, size: int) -> bool:
+    """Refuse token ids outside [0, size) (a compressed table would otherwise return valid-looking
+    rows for them). On CPU a host check gives a clear error; on CUDA and under torch.compile a
+    device-side assert does, as ``nn.Embedding`` does on CUDA, without a host sync per step.
+    Returns whether the caller should stay free of host syncs too."""
+    if indices.dtype not in (torch.int64, torch.int32):
+        raise TypeError(expected("integer token indices", indices.dtype))
+    sync_free = indices.is_cuda or torch.compiler.is_compiling()
+    if not indices.numel():
+        return sync_free
+    if sync_free:
+        in_range = (indices >= 0).all() & (indices < size).all()
+        torch._assert_async(in_range, f"token ids outside [0, {size})")
+        return sync_free
+    low, high = (int(v) for v in torch.aminmax(indices))  # one pass, one host sync
+    if low < 0 or high >= size:
+        raise IndexError(expected(f"indices in [0, {size})", (low, high)))
+    return sync_free
+
+
 def listed(params: nn.ParameterList | None) -> list[torch.Tensor]:
     """A ParameterList's tensors in order, read from its registry. Iterating the list itself indexes
     it item by item (12 us for six cores against 0.3 us): every forward reads its cores and gates,

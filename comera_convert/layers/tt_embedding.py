@@ -11,7 +11,7 @@ from ..tt import matrix_to_cores
 from ..tt.contract import embedding_halves, rows_from_halves
 from ..tt.counting import embedding_lookup_flops, ttm_split
 from ..tt.spec import TTSpec
-from .base import TTModule, check_size
+from .base import TTModule, check_size, check_token_ids, checked_padding_idx
 from .tt_linear import DEFAULT_ORDER, DEFAULT_RANK
 
 
@@ -34,11 +34,7 @@ class TTEmbedding(TTModule):
         super().__init__()
         check_size("num_embeddings", num_embeddings)
         check_size("embedding_dim", embedding_dim)
-        if padding_idx is not None:
-            if not -num_embeddings <= padding_idx < num_embeddings:
-                raise ValueError(expected(f"padding_idx within [-{num_embeddings}, {num_embeddings})",
-                                          padding_idx))
-            padding_idx %= num_embeddings
+        padding_idx = checked_padding_idx(padding_idx, num_embeddings)
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.padding_idx = padding_idx
@@ -101,13 +97,9 @@ class TTEmbedding(TTModule):
         return self.cached("table", self.dense_matrix)
 
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
-        if indices.dtype not in (torch.int64, torch.int32):
-            raise TypeError(expected("integer token indices", indices.dtype))
         # On CUDA (and under torch.compile) no host syncs: a device-side range check, and no
         # deduplication of repeated ids (its output size depends on the data).
-        sync_free = indices.is_cuda or torch.compiler.is_compiling()
-        if indices.numel():
-            self._check_range(indices, sync_free)
+        sync_free = check_token_ids(indices, self.num_embeddings)
         spec = self.spec
         split = 0
         if spec.layout == "ttm":
@@ -119,18 +111,6 @@ class TTEmbedding(TTModule):
             is_pad = (indices == self.padding_idx).unsqueeze(-1)
             rows = torch.where(is_pad, rows.detach(), rows)
         return rows
-
-    def _check_range(self, indices: torch.Tensor, sync_free: bool) -> None:
-        """Out-of-range ids would map to valid-looking rows of the padded mode grid, so they are refused.
-        On CPU a host check gives a clear error; on the device a device-side assert does, as
-        ``nn.Embedding`` does on CUDA, without a host sync per step."""
-        if sync_free:
-            in_range = (indices >= 0).all() & (indices < self.num_embeddings).all()
-            torch._assert_async(in_range, f"token ids outside [0, {self.num_embeddings})")
-            return
-        low, high = (int(v) for v in torch.aminmax(indices))  # one pass, one host sync
-        if low < 0 or high >= self.num_embeddings:
-            raise IndexError(expected(f"indices in [0, {self.num_embeddings})", (low, high)))
 
     def extra_repr(self) -> str:
         pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
