@@ -48,14 +48,23 @@ def _weight_files(path: str) -> list[Path]:
         raise not_found_error(path, err) from None
 
 
+FLOAT_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+
+
+def _stored_params(headers: list[dict]) -> int:
+    """The parameters the files hold; a codebook table's one-byte codes count as the parameters they
+    weigh as much as (``CodebookSpec.stored_params``), as the conversion report counts them."""
+    tensors = [v for header in headers for k, v in header.items() if k != "__metadata__"]
+    element_size = next((FLOAT_BYTES[v["dtype"]] for v in tensors if v["dtype"] in FLOAT_BYTES), 1)
+    return sum(math.prod(v["shape"]) if v["dtype"] != "U8" else math.ceil(math.prod(v["shape"]) / element_size)
+               for v in tensors)
+
+
 def inspect_checkpoint(name: str) -> CheckpointInfo:
     path = resolve(name)
     config = read_config(path)
     files = _weight_files(path)
-    params = 0
-    for file in files:
-        header = read_header(str(file))
-        params += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+    params = _stored_params([read_header(str(file)) for file in files])
     compressed = compression_of(config) is not None
     report = read_report(path) if compressed else None
     card = source_card(path) if Path(path).is_dir() else None

@@ -192,7 +192,9 @@ def static_baseline(source_path, compressed, config) -> StaticBaseline | None:
         import model2vec.distill  # noqa: F401
     except ImportError:
         return None
-    parameters = sum(p.numel() for p in compressed.parameters())
+    from .conversion import count_params
+
+    parameters = count_params(compressed)  # a codebook table's codes included: the peer gets the same size
     return StaticBaseline(source_path, parameters, config["vocab_size"], config["hidden_size"])
 
 

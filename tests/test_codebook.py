@@ -186,3 +186,28 @@ def test_the_spec_counts_codes_in_the_tables_parameters():
     assert CodebookSpec.plan(600, 32, width=4).codewords == 37  # 16 rows per centre
     with pytest.raises(ShapeError, match="a codebook spec with"):
         CodebookSpec.from_dict({"rows": 10})
+
+
+def test_a_record_that_disagrees_with_the_stored_codes_is_refused(tmp_path):
+    model = build("bert")
+    comera_convert.convert(model, ratio=3)
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"]["modules"]["embeddings.word_embeddings"]["spec"]["subspaces"] = 8
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"embeddings.word_embeddings.codebooks should be \(8, 32, 8\)"):
+        comera_convert.from_pretrained(tmp_path)
+
+
+def test_a_base_model_loaded_with_an_lm_head_gets_one_tied_to_its_codebook_table(tmp_path):
+    model = build("bert")
+    comera_convert.convert(model, ratio=3)
+    model.save_pretrained(tmp_path)
+    mlm = comera_convert.from_pretrained(tmp_path, task="mlm")
+    head, table = mlm.cls.predictions.decoder, mlm.bert.embeddings.word_embeddings
+    assert isinstance(table, CodebookEmbedding) and isinstance(head, TiedTTHead) and head.embedding is table
+    hidden = torch.randn(2, 5, table.embedding_dim)
+    logits = head(hidden)
+    assert torch.allclose(logits, hidden @ table.weight.t() + head.bias, atol=1e-5)
+    logits.square().sum().backward()  # the centres learn from the head as well
+    assert table.codebooks.grad is not None and table.codebooks.grad.abs().sum() > 0

@@ -15,7 +15,7 @@ from comera_convert.api import convert_checkpoint
 from comera_convert.conversion import ConvertOptions
 from comera_convert.errors import ModelLoadError
 from comera_convert.hf import streaming
-from comera_convert.layers import TTModule
+from comera_convert.layers import CodebookEmbedding, TTModule
 
 from . import tiny_models
 from .tiny_models import build, outputs
@@ -150,7 +150,7 @@ def test_each_dense_layer_is_in_memory_only_while_it_is_decomposed(tmp_path, mon
     result = convert_checkpoint(str(tmp_path / "dense"), tmp_path / "tt", ConvertOptions(ratio=2))
     assert len(seen) == len(result.report.modules) - sum(m.kind == "tied_head" for m in result.report.modules)
     model = comera_convert.from_pretrained(tmp_path / "tt")
-    assert sum(isinstance(m, TTModule) for m in model.modules()) == len(seen)
+    assert sum(isinstance(m, (TTModule, CodebookEmbedding)) for m in model.modules()) == len(seen)
 
 
 def _with_tokenizer(tmp_path, case, tie=None):
@@ -186,8 +186,10 @@ def test_a_calibrated_streamed_conversion_equals_calibrating_the_whole_model(cas
     assert torch.allclose(outputs(loaded), outputs(reference), atol=1e-4)
 
 
-@pytest.mark.parametrize("case, tie", [("gpt2-clm", None), ("bert-mlm", None)])  # a fused qkv; a tied head
-def test_a_compensating_streamed_conversion_equals_compensating_on_the_whole_model(case, tie, tmp_path):
+# A fused qkv; a tied head; a codebook word table, whose output the first block is compensated for.
+@pytest.mark.parametrize("case, tie, table", [("gpt2-clm", None, "tt"), ("bert-mlm", None, "tt"),
+                                              ("bert", None, "codebook")])
+def test_a_compensating_streamed_conversion_equals_compensating_on_the_whole_model(case, tie, table, tmp_path):
     """Block by block, each linear is fit to the inputs the compressed layers before it produce: the
     same checkpoint as running the whole dense and the whole half-converted model up to each layer."""
     from comera_convert.conversion.calibration import add_gram, plan_calibration
@@ -199,7 +201,7 @@ def test_a_compensating_streamed_conversion_equals_compensating_on_the_whole_mod
     # A fixed rank: a ratio would compress only the tiny models' vocabulary-sized embedding.
     # 64 x 32 tokens: 8 rows per input of the widest layer (GPT-2's 256), so every layer is compensated.
     options = ConvertOptions(rank=6, calibration="english", calibration_sequences=64, calibration_seq_len=32,
-                             compensate=True)
+                             compensate=True, word_embedding=table)
     result = convert_checkpoint(str(dense), tmp_path / "tt", options)
     assert result.report.extra["streamed"]
     reference, teacher = (cls.from_pretrained(dense).eval() for _ in range(2))
@@ -230,6 +232,7 @@ def test_a_compensating_streamed_conversion_equals_compensating_on_the_whole_mod
     comera_convert.convert(reference, options, calibration=statistics, load=compensate)
     plain = convert_checkpoint(str(dense), tmp_path / "plain", dataclasses.replace(options, compensate=False))
     loaded, uncompensated = (cls.from_pretrained(tmp_path / out).eval() for out in ("tt", "plain"))
+    assert (type(loaded.get_input_embeddings()).__name__ == "CodebookEmbedding") == (table == "codebook")
     assert torch.allclose(outputs(loaded), outputs(reference), atol=1e-4)
     changes = [float((a.dense_weight() - b.dense_weight()).norm() / b.dense_weight().norm())
                for a, b in zip(_tt_linears(uncompensated), _tt_linears(loaded))]
@@ -342,6 +345,7 @@ def test_the_device_option_runs_the_decompositions_there_and_refuses_what_is_not
     from comera_convert.cli import main
     from comera_convert.conversion import converter
     from comera_convert.errors import ConfigError
+    from comera_convert.layers import codebook_embedding
 
     build("llama-clm").save_pretrained(tmp_path / "dense")
     seen = []
@@ -351,9 +355,17 @@ def test_the_device_option_runs_the_decompositions_there_and_refuses_what_is_not
         seen.append(matrix.device.type)
         return real(matrix, spec)
 
+    def watched_codebook(table, *args, **kwargs):
+        seen.append(table.device.type)
+        return real_codebook(table, *args, **kwargs)
+
+    real_codebook = codebook_embedding.product_quantize
     monkeypatch.setattr(converter, "matrix_to_cores", watched)
+    monkeypatch.setattr(codebook_embedding, "product_quantize", watched_codebook)
     explicit = convert_checkpoint(str(tmp_path / "dense"), tmp_path / "cpu", ConvertOptions(ratio=2, device="cpu"))
+    # Every decomposition and the codebook table's k-means ran there.
     assert seen and set(seen) == {"cpu"} and len(seen) == len(explicit.report.modules)
+    assert any(m.layout == "codebook" for m in explicit.report.modules)
     reference = build("llama-clm")
     comera_convert.convert(reference, ratio=2)
     assert torch.equal(outputs(AUTO["clm"].from_pretrained(tmp_path / "cpu").eval()), outputs(reference.eval()))

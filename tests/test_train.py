@@ -468,8 +468,20 @@ def test_disk_full_while_saving_leaves_no_partial_checkpoint(tmp_path, tokenizer
     assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == ["checkpoint-6"]
 
 
+def codebook_only(tmp_path, tokenizer):
+    from transformers import BertConfig, BertModel
+
+    model = BertModel(BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                                 vocab_size=tokenizer.vocab_size, max_position_embeddings=64))
+    comera_convert.convert(model, ratio=2)
+    assert not any(isinstance(m, comera_convert.TTModule) for m in model.modules())
+    model.save_pretrained(tmp_path / "codebook")
+    tokenizer.save_pretrained(tmp_path / "codebook")
+    return tmp_path / "codebook"
+
+
 @pytest.mark.parametrize("problem", ["missing data", "empty data", "not compressed", "mlm on gpt2",
-                                     "target below current", "no gates", "nothing to resume",
+                                     "target below current", "no gates", "no tt layers", "nothing to resume",
                                      "fsdp without workers", "resume an fsdp run without it"])
 def test_bad_input_is_a_clear_error(tmp_path, tokenizer, corpus, problem):
     options = dict(objective="mlm", data=str(corpus), **FAST)
@@ -477,7 +489,8 @@ def test_bad_input_is_a_clear_error(tmp_path, tokenizer, corpus, problem):
     expected = {"missing data": "no such file or directory", "empty data": "no text files",
                 "not compressed": "is not a compressed model", "mlm on gpt2": "gpt2 is causal",
                 "target below current": "is not above the model's current ratio",
-                "no gates": "no rank gates", "nothing to resume": "holds no checkpoint",
+                "no gates": "no rank gates", "no tt layers": "no TT layers.*--word-embedding tt",
+                "nothing to resume": "holds no checkpoint",
                 "fsdp without workers": "under torchrun with two or more processes",
                 "resume an fsdp run without it": "sharded across workers .* resume it with --fsdp"}[problem]
     resume = False
@@ -494,6 +507,8 @@ def test_bad_input_is_a_clear_error(tmp_path, tokenizer, corpus, problem):
         options["target_ratio"] = 1.5
     elif problem == "no gates":
         path = compressed(tmp_path, tokenizer, gates=False, name="nogates")
+    elif problem == "no tt layers":  # on this vocabulary-heavy model a codebook table alone meets ratio 2
+        path = codebook_only(tmp_path, tokenizer)
     elif problem == "fsdp without workers":
         options["fsdp"] = True
     else:
@@ -579,7 +594,7 @@ def test_mlm_on_a_base_model_gets_a_head_tied_to_its_tt_embedding(tmp_path, toke
     torch.manual_seed(0)
     model = BertModel(BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
                                  vocab_size=tokenizer.vocab_size, max_position_embeddings=64))
-    comera_convert.convert(model, ratio=2.5)
+    comera_convert.convert(model, ratio=2.5, word_embedding="tt")
     model.save_pretrained(tmp_path / "base")
     tokenizer.save_pretrained(tmp_path / "base")
     mlm = comera_convert.from_pretrained(tmp_path / "base", task="mlm")
@@ -692,7 +707,8 @@ def test_auto_distills_an_encoder_without_an_lm_head_from_its_recorded_source(tm
     model = BertModel(BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
                                  vocab_size=tokenizer.vocab_size, max_position_embeddings=64))
     model.save_pretrained(tmp_path / "dense")
-    comera_convert.convert(model, ratio=2, source=str(tmp_path / "dense"))
+    # A TT table: a codebook one alone would meet ratio 2 on this vocabulary-heavy model, leaving no rank to adapt.
+    comera_convert.convert(model, ratio=2, source=str(tmp_path / "dense"), word_embedding="tt")
     model.save_pretrained(tmp_path / "encoder")
     tokenizer.save_pretrained(tmp_path / "encoder")
     options = TrainOptions(data=str(corpus), steps=12, seq_len=32, batch_size=4, max_eval_blocks=8, save_steps=12)

@@ -17,6 +17,7 @@ from ..codebook import CodebookSpec
 from ..errors import ModelLoadError, expected
 from ..layers import CodebookEmbedding, TiedTTHead, TTEmbedding, TTLinear, TTModule
 from ..layers.swap import set_submodule
+from ..layers.tied_head import TIEABLE
 from ..tt.spec import TTSpec
 
 KINDS = ("linear", "embedding", "codebook_embedding", "tied_head")
@@ -88,9 +89,9 @@ def format_version(records: dict[str, dict]) -> int:
 def tie_head(model: nn.Module, name: str, record: dict) -> TiedTTHead:
     """Replace the head ``name`` by a TiedTTHead over the (already converted) embedding."""
     embedding = model.get_submodule(record["embedding"])
-    if not isinstance(embedding, TTEmbedding):
+    if not isinstance(embedding, TIEABLE):
         raise ModelLoadError(f"{name!r} is recorded as tied to {record['embedding']!r}, "
-                             + expected("a TTEmbedding there", type(embedding).__name__))
+                             + expected("a TTEmbedding or CodebookEmbedding there", type(embedding).__name__))
     old = model.get_submodule(name)
     bias = getattr(old, "bias", None) if record.get("bias") else None
     head = TiedTTHead(embedding, bias=bias)
@@ -102,7 +103,8 @@ def resolve_name(model: nn.Module, name: str) -> str | None:
     """The name of a recorded module in this model: as recorded, or across the base-model prefix
     (a checkpoint of BertModel loaded as BertForMaskedLM names ``encoder.*`` for ``bert.encoder.*``).
 
-    None for a head that a base model loaded from a checkpoint with a head does not have.
+    None for a head that a base model loaded from a checkpoint with a head does not have, and for a
+    part of a base model that a model with a head leaves out.
     """
     prefix = getattr(model, "base_model_prefix", "")
     for candidate in (name, f"{prefix}.{name}", name.removeprefix(prefix + ".")):
@@ -111,8 +113,10 @@ def resolve_name(model: nn.Module, name: str) -> str | None:
             return candidate
         except AttributeError:
             continue
-    is_base_model = getattr(model, "base_model", model) is model
-    if prefix and is_base_model and not name.startswith(prefix + "."):
+    if prefix and not name.startswith(prefix + "."):
+        # A head the base model does not have, or a part of a base model's checkpoint that the model
+        # with a head on top leaves out (BertForMaskedLM has no pooler): unused, as transformers
+        # leaves a checkpoint's unexpected weights.
         return None
     raise ModelLoadError(f"the checkpoint records a compressed module {name!r} that the model "
                          f"{type(model).__name__} does not have")
@@ -137,7 +141,7 @@ def build_from_records(model: nn.Module, records: dict[str, dict], dtype=None, d
 
 def tie_heads_to_converted_embeddings(model: nn.Module) -> None:
     """Heads that a checkpoint does not record (a base model loaded with an LM head on top) but that
-    transformers ties to the input embedding become TiedTTHeads when that embedding is a TT one:
+    transformers ties to the input embedding become TiedTTHeads when that embedding is compressed:
     the new head starts from the embedding, as it would on a dense model."""
     config = getattr(model, "config", None)
     if config is None or not getattr(config, "tie_word_embeddings", False):
@@ -146,7 +150,7 @@ def tie_heads_to_converted_embeddings(model: nn.Module) -> None:
     if get_in is None or get_out is None:
         return
     embedding, head = get_in(), get_out()
-    if isinstance(embedding, TTEmbedding) and isinstance(head, nn.Linear):
+    if isinstance(embedding, TIEABLE) and isinstance(head, nn.Linear):
         name = next(n for n, m in model.named_modules() if m is head)
         set_submodule(model, name, TiedTTHead(embedding, bias=head.bias))
 

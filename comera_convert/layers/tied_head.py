@@ -1,8 +1,9 @@
-"""TiedTTHead: an output projection tied to a TTEmbedding (logits = x E^T + b).
+"""TiedTTHead: an output projection tied to a compressed embedding (logits = x E^T + b).
 
 Language-model heads (BERT's decoder, GPT-2's lm_head) share their weight with the input
 embedding. When the embedding becomes a TTEmbedding the head keeps sharing it: it holds no cores
-of its own. For the tt layout it runs the input through the embedding's two halves, transposed;
+of its own. Over a CodebookEmbedding (a base model loaded with a new LM head on top) it builds the
+table from the codes and centres each call, so the centres learn from the head too. For the tt layout it runs the input through the embedding's two halves, transposed;
 for ttm it runs the embedding's table slab by slab in training (``tt/tied_logits.py``) and builds
 it once, cached, in inference.
 """
@@ -15,14 +16,17 @@ from torch import nn
 from ..errors import expected
 from ..tt.contract import through_bond
 from ..tt.tied_logits import tied_logits
+from .codebook_embedding import CodebookEmbedding
 from .tt_embedding import TTEmbedding
+
+TIEABLE = (TTEmbedding, CodebookEmbedding)  # the compressed embeddings a head can share
 
 
 class TiedTTHead(nn.Module):
-    def __init__(self, embedding: TTEmbedding, bias: nn.Parameter | None = None):
+    def __init__(self, embedding: TTEmbedding | CodebookEmbedding, bias: nn.Parameter | None = None):
         super().__init__()
-        if not isinstance(embedding, TTEmbedding):
-            raise TypeError(expected("a TTEmbedding to tie to", type(embedding).__name__))
+        if not isinstance(embedding, TIEABLE):
+            raise TypeError(expected("a TTEmbedding or CodebookEmbedding to tie to", type(embedding).__name__))
         # Kept out of the module tree: the embedding is registered where it lives, not twice.
         object.__setattr__(self, "embedding", embedding)
         self.in_features = embedding.embedding_dim
@@ -30,6 +34,8 @@ class TiedTTHead(nn.Module):
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embedding, CodebookEmbedding):
+            return torch.nn.functional.linear(x, self.embedding.dense_matrix(), self.bias)
         spec = self.embedding.spec
         if spec.layout == "tt":  # x R^T L^T + b through the cached (in eval) halves of the embedding
             left, right = self.embedding.halves(0)
@@ -54,4 +60,5 @@ class TiedTTHead(nn.Module):
         return self.dense_weight()
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, tied to TTEmbedding"
+        tied_to = type(self.embedding).__name__
+        return f"in_features={self.in_features}, out_features={self.out_features}, tied to {tied_to}"

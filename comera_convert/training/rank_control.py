@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..conversion import count_params
 from ..errors import ConfigError
 from ..layers import TTModule
 from .budget import SCHEDULE_SHARE, ModuleBonds, bond_floor, choose_closures, scheduled_size
@@ -96,6 +97,9 @@ class RankController:
     def __init__(self, model: nn.Module, options, dense_params: int):
         options.require_resolved("RankController")
         self.modules = gated_modules(model)
+        if not self.modules and not any(isinstance(m, TTModule) for m in model.modules()):
+            raise ConfigError("the model has no TT layers, so CoMERA's rank adaptation has no ranks to adapt: "
+                              "convert it with TT layers (a higher --ratio, or --word-embedding tt)")
         if not self.modules:
             raise ConfigError("the model has no rank gates, so CoMERA's rank adaptation cannot run: "
                               "convert it with gates (leave out --no-gates)")
@@ -123,7 +127,7 @@ class RankController:
 
     def model_params(self) -> int:
         """The whole model's parameter count once closed ranks are truncated away."""
-        total = sum(p.numel() for p in self.model.parameters())
+        total = count_params(self.model)  # a codebook table's codes included
         for _, module in self.modules:
             stored = sum(c.numel() for c in module.cores) + sum(g.numel() for g in module.gates)
             total += module_size(module) + sum(module.ranks) - stored
