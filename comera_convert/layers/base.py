@@ -53,6 +53,22 @@ def check_token_ids(indices: torch.Tensor, size: int) -> bool:
     return sync_free
 
 
+def padding_rows_frozen(rows: torch.Tensor, indices: torch.Tensor, padding_idx: int | None,
+                        training: bool) -> torch.Tensor:
+    """``rows`` with the padding token's rows cut from the graph in training, as nn.Embedding's
+    padding row gets no gradient."""
+    if padding_idx is None or not training:
+        return rows
+    is_pad = (indices == padding_idx).unsqueeze(-1)
+    return torch.where(is_pad, rows.detach(), rows)
+
+
+def embedding_repr(num_embeddings: int, embedding_dim: int, padding_idx: int | None) -> str:
+    """The start of an embedding's ``extra_repr``, as nn.Embedding writes it."""
+    pad = f", padding_idx={padding_idx}" if padding_idx is not None else ""
+    return f"{num_embeddings}, {embedding_dim}{pad}"
+
+
 def listed(params: nn.ParameterList | None) -> list[torch.Tensor]:
     """A ParameterList's tensors in order, read from its registry. Iterating the list itself indexes
     it item by item (12 us for six cores against 0.3 us): every forward reads its cores and gates,

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..codebook import CodebookSpec, dense_from_codes, product_quantize
 from ..errors import expected
-from .base import check_size, check_token_ids, checked_padding_idx
+from .base import check_size, check_token_ids, checked_padding_idx, embedding_repr, padding_rows_frozen
 
 # Lloyd steps of the fit: MiniLM's word table at 96 slices reached relative error 0.312 after 10
 # steps and 0.308 after 25.
@@ -93,12 +93,8 @@ class CodebookEmbedding(nn.Module):
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
         check_token_ids(indices, self.num_embeddings)
         rows = dense_from_codes(self.codebooks, self.codes[indices])
-        if self.padding_idx is not None and self.training:
-            is_pad = (indices == self.padding_idx).unsqueeze(-1)
-            rows = torch.where(is_pad, rows.detach(), rows)
-        return rows
+        return padding_rows_frozen(rows, indices, self.padding_idx, self.training)
 
     def extra_repr(self) -> str:
-        pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
-        return (f"{self.num_embeddings}, {self.embedding_dim}{pad}, subspaces={self._spec.subspaces}, "
-                f"codewords={self._spec.codewords}")
+        return (f"{embedding_repr(self.num_embeddings, self.embedding_dim, self.padding_idx)}, "
+                f"subspaces={self._spec.subspaces}, codewords={self._spec.codewords}")

@@ -3,9 +3,10 @@
 Language-model heads (BERT's decoder, GPT-2's lm_head) share their weight with the input
 embedding. When the embedding becomes a TTEmbedding the head keeps sharing it: it holds no cores
 of its own. Over a CodebookEmbedding (a base model loaded with a new LM head on top) it builds the
-table from the codes and centres each call, so the centres learn from the head too. For the tt layout it runs the input through the embedding's two halves, transposed;
-for ttm it runs the embedding's table slab by slab in training (``tt/tied_logits.py``) and builds
-it once, cached, in inference.
+table from the codes and centres each call, so the centres learn from the head too. Over a tt
+layout it runs the input through the embedding's two halves, transposed; over ttm it runs the
+embedding's table slab by slab in training (``tt/tied_logits.py``) and builds it once, cached, in
+inference.
 """
 
 from __future__ import annotations

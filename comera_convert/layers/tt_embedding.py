@@ -11,7 +11,7 @@ from ..tt import matrix_to_cores
 from ..tt.contract import embedding_halves, rows_from_halves
 from ..tt.counting import embedding_lookup_flops, ttm_split
 from ..tt.spec import TTSpec
-from .base import TTModule, check_size, check_token_ids, checked_padding_idx
+from .base import TTModule, check_size, check_token_ids, checked_padding_idx, embedding_repr, padding_rows_frozen
 from .tt_linear import DEFAULT_ORDER, DEFAULT_RANK
 
 
@@ -107,15 +107,11 @@ class TTEmbedding(TTModule):
         halves = self.halves(split)
         tt_rows = indices if self.row_of_token is None else self.row_of_token[indices]
         rows = rows_from_halves(tt_rows.long(), halves, spec, deduplicate=not sync_free)
-        if self.padding_idx is not None and self.training:
-            is_pad = (indices == self.padding_idx).unsqueeze(-1)
-            rows = torch.where(is_pad, rows.detach(), rows)
-        return rows
+        return padding_rows_frozen(rows, indices, self.padding_idx, self.training)
 
     def extra_repr(self) -> str:
-        pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
         order = ", reordered" if self.row_of_token is not None else ""
-        return f"{self.num_embeddings}, {self.embedding_dim}{pad}, {self._tt_repr()}{order}"
+        return f"{embedding_repr(self.num_embeddings, self.embedding_dim, self.padding_idx)}, {self._tt_repr()}{order}"
 
 
 def _check_permutation(order: torch.Tensor, size: int) -> torch.Tensor:
