@@ -13,8 +13,6 @@ from comera_convert import CodebookEmbedding, TiedTTHead, TTEmbedding
 from comera_convert.codebook import CodebookSpec, dense_from_codes, kmeans, product_quantize
 from comera_convert.conversion import ConvertOptions, count_params
 from comera_convert.errors import ConfigError, ModelLoadError, ShapeError
-from comera_convert.training import TrainOptions
-from comera_convert.training.trainer import parameter_groups
 
 from .tiny_models import build, outputs
 
@@ -213,17 +211,3 @@ def test_a_base_model_loaded_with_an_lm_head_gets_one_tied_to_its_codebook_table
     assert torch.allclose(logits, hidden @ table.weight.t() + head.bias, atol=1e-5)
     logits.square().sum().backward()  # the centres learn from the head as well
     assert table.codebooks.grad is not None and table.codebooks.grad.abs().sum() > 0
-
-
-def test_the_centres_learn_at_the_cores_rate_and_the_rest_at_its_own():
-    model = build("bert")
-    comera_convert.convert(model, ratio=3)
-    options = TrainOptions(lr_cores=1e-3, lr_rest=1e-4)
-    groups = {group["name"]: group for group in parameter_groups(model, options)}
-    in_group = {name: {id(p) for p in group["params"]} for name, group in groups.items()}
-    centres = model.embeddings.word_embeddings.codebooks
-    assert id(centres) in in_group["cores"] and id(centres) not in in_group["rest"]
-    assert groups["cores"]["lr"] == 1e-3 and groups["rest"]["lr"] == 1e-4
-    assert id(model.embeddings.LayerNorm.weight) in in_group["rest"]
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    assert sorted(map(id, trainable)) == sorted(i for ids in in_group.values() for i in ids)

@@ -51,7 +51,6 @@ class TrainOptions:
     batch_size: int = 8  # per device, as TrainingArguments' per_device_train_batch_size
     gradient_accumulation_steps: int = 1
     # CoMERA's three AdamW learning rates (None: by objective, PRETRAINING_DEFAULTS / DISTILL_DEFAULTS).
-    # lr_cores drives the compressed factors: TT cores and codebook centres.
     lr_cores: float | None = None
     lr_gates: float = 1e-3
     lr_rest: float | None = None

@@ -1,8 +1,7 @@
 """ComeraTrainer: transformers' Trainer with CoMERA's staged rank-adaptive objective.
 
 What it adds to Trainer:
-  * three AdamW parameter groups (the compressed factors: TT cores and codebook centres; rank
-    gates; the dense rest) with their own rates;
+  * three AdamW parameter groups (TT cores, rank gates, the dense rest) with their own rates;
   * compute_loss = the objective's task loss L, plus the rank term of the current stage;
   * after every optimizer step, gate entries below tau are closed for good, and the stage
     switches by step count or plateau (RankCallback);
@@ -29,7 +28,7 @@ from safetensors.torch import load_file
 from transformers import Trainer, TrainerCallback
 
 from ..errors import ComeraError
-from ..layers import CodebookEmbedding, TTModule
+from ..layers import TTModule
 from .objectives import task_loss
 from .rank_control import RankController, RankState
 from .wall_clock import WallClock, wall_time_scheduler
@@ -43,18 +42,13 @@ class TrainingDiverged(ComeraError):
 
 
 def parameter_groups(model, options) -> list[dict]:
-    """AdamW's groups. Codebook centres learn at the cores' rate: like cores they stand in for a
-    dense table and start from a fit's error (MiniLM --ratio 4, five minutes of distillation: 0.83 /
-    0.71 / 0.88 / 0.85 of dense recall@1 on english / code / man / Debian at 1e-3, 0.82 / 0.62 /
-    0.87 / 0.84 at the rest's 1e-4)."""
-    centres = {id(module.codebooks) for module in model.modules() if isinstance(module, CodebookEmbedding)}
     cores, gates, rest = [], [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         if ".gates." in f".{name}":
             gates.append(param)
-        elif ".cores." in f".{name}" or id(param) in centres:
+        elif ".cores." in f".{name}":
             cores.append(param)
         else:
             rest.append(param)
