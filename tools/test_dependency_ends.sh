@@ -4,7 +4,7 @@
 #
 #   lowest  torch 2.4.0 and transformers 5.1.0, the declared lower bounds
 #   5.3     transformers 5.3.0, what model2vec[distill] pins, with the CPU torch these machines carry
-#   newest  the newest torch and transformers releases the index serves inside the ranges
+#   newest  the newest torch and transformers releases inside the ranges that pip installs here
 #
 #   tools/test_dependency_ends.sh                # all three
 #   ENDS="lowest" tools/test_dependency_ends.sh  # one of them
@@ -17,16 +17,23 @@ INTEGRATION=(tests/test_compat.py tests/test_checkpoint.py tests/test_convert.py
              tests/test_carry.py tests/test_streaming.py tests/test_cli.py tests/test_failures.py
              tests/test_minilm.py)
 
-newest() {  # the newest release of $1 whose version starts with $2
-    pip index versions "$1" 2>/dev/null | sed -n "s/^Available versions: //p" | tr ',' '\n' \
-        | sed 's/^ *//' | grep -E "^$2" | grep -v '+' | head -1
+declared() {  # the requirement pyproject.toml declares for package $1, e.g. "torch>=2.4"
+    python -c 'import re, sys, tomllib
+deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
+print(next(d for d in deps if re.match(re.escape(sys.argv[1]) + r"(?![\w.-])", d)))' "$1"
+}
+
+newest() {  # the newest release inside the declared range of $1 that pip installs on this machine
+    # (pip's resolver, so a machine-wide constraint such as a cap on torch holds as it does for users)
+    python -m pip install --dry-run --ignore-installed --no-deps --quiet --report - "$(declared "$1")" 2>/dev/null \
+        | python -c 'import json, sys; print(json.load(sys.stdin)["install"][0]["metadata"]["version"])'
 }
 
 for end in $ENDS; do
     case $end in
         lowest) torch=2.4.0; transformers=5.1.0; tests=("${INTEGRATION[@]}") ;;
         5.3) torch=2.13.0; transformers=5.3.0; tests=(tests/test_compat.py tests/test_failures.py tests/test_minilm.py) ;;
-        newest) torch=$(newest torch 2); transformers=$(newest transformers 5); tests=("${INTEGRATION[@]}") ;;
+        newest) torch=$(newest torch); transformers=$(newest transformers); tests=("${INTEGRATION[@]}") ;;
         *) echo "unknown end $end (lowest, 5.3, newest)" >&2; exit 2 ;;
     esac
     env="${TMPDIR:-/tmp}/comera-ends-$end"
