@@ -17,10 +17,9 @@ INTEGRATION=(tests/test_compat.py tests/test_checkpoint.py tests/test_convert.py
              tests/test_carry.py tests/test_streaming.py tests/test_cli.py tests/test_failures.py
              tests/test_minilm.py)
 
-declared() {  # the requirement pyproject.toml declares for package $1, e.g. "torch>=2.4"
-    python -c 'import re, sys, tomllib
-deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
-print(next(d for d in deps if re.match(re.escape(sys.argv[1]) + r"(?![\w.-])", d)))' "$1"
+declared() {  # the requirement pyproject.toml declares for package $1, e.g. "torch>=2.4,<2.15"
+    python -c 'import sys; from comera_convert.cli.failures import supported_ranges
+print(sys.argv[1] + supported_ranges()[sys.argv[1]])' "$1"
 }
 
 newest() {  # the newest release inside the declared range of $1 that pip installs on this machine
