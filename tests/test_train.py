@@ -184,6 +184,47 @@ def test_distill_objective_uses_the_recorded_teacher(tmp_path, tokenizer, corpus
                                                                                     result.cosine_after)
 
 
+class TrainingOutputDtypes(TrainerCallback):
+    """The dtypes the model's first linear layer (dense or TT) gave in training-mode forwards (the
+    held-out evaluations run in eval mode)."""
+
+    def __init__(self):
+        self.dtypes = set()
+        self.hooked = False
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if not self.hooked:
+            layer = next(m for m in model.modules() if isinstance(m, (nn.Linear, comera_convert.TTLinear)))
+            layer.register_forward_hook(lambda m, i, out: self.dtypes.add(out.dtype) if m.training else None)
+            self.hooked = True
+
+
+def test_bf16_distillation_on_cpu_computes_in_bf16_and_keeps_float32_weights(tmp_path, tokenizer, corpus):
+    """As recipes/train-minilm-distill.yaml runs on a CPU: autocast GEMMs, float32 master weights."""
+    path = compressed(tmp_path, tokenizer, ratio=2)
+    options = TrainOptions(objective="distill", data=str(corpus), bf16=True,
+                           **{**FAST, "lr_gates": 1e-3, "lr_cores": 5e-4, "early_steps": 12})
+    dtypes = TrainingOutputDtypes()
+    result = train(str(path), options, tmp_path / "out", callbacks=[dtypes])
+    assert dtypes.dtypes == {torch.bfloat16}
+    assert result.held_out_after < result.held_out_before
+    trained = comera_convert.from_pretrained(tmp_path / "out")
+    assert {p.dtype for p in trained.parameters()} == {torch.float32}
+
+
+@pytest.mark.parametrize("bf16, cuda, native, warned", [(True, False, False, True), (True, False, True, False),
+                                                        (True, True, False, False), (None, False, False, False),
+                                                        (False, False, False, False)])
+def test_bf16_asked_for_on_a_cpu_that_emulates_it_is_warned_about(monkeypatch, bf16, cuda, native, warned):
+    from comera_convert.training import run
+
+    monkeypatch.setattr(run, "native_bf16_cpu", lambda: native)
+    warning = run.bf16_warning(TrainOptions(bf16=bf16), cuda)
+    assert (warning is not None) == warned
+    if warned:
+        assert warning.startswith("bf16 on this CPU is emulated") and "--no-bf16" in warning
+
+
 class LearningRates(TrainerCallback):
     """The cores' learning rate after every optimizer step."""
 

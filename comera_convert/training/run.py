@@ -174,6 +174,22 @@ def training_arguments(options: TrainOptions, output_dir: Path, **overrides):
     return TrainingArguments(**kwargs)
 
 
+def native_bf16_cpu() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX tiles). There bf16 autocast
+    trains faster than float32: the MiniLM --ratio 4 distillation on 2 cores takes 1.12x the steps
+    in the same minutes (a bf16 GEMM of its shapes runs 2.5x faster, the teacher's forward 1.6x);
+    elsewhere bfloat16 is emulated and slower than float32."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def bf16_warning(options: TrainOptions, cuda: bool) -> str | None:
+    """One line when bf16 is asked for on a CPU that emulates it, else None."""
+    if options.bf16 and not cuda and not native_bf16_cpu():
+        return ("bf16 on this CPU is emulated (no AVX512-BF16 or AMX): float32 trains faster here, "
+                "pass --no-bf16")
+    return None
+
+
 def _checkpointing_arguments(arguments_class, enabled: bool) -> dict:
     """Activation checkpointing under the name this transformers takes (5.23 renamed
     ``gradient_checkpointing`` to ``activation_checkpointing`` and warns on the old one);
@@ -301,6 +317,8 @@ def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, 
     trainer = _trainer(session, args, blocks, collate, callbacks, sharding)
     if session.objective_note:
         logger.info(session.objective_note)  # once everything is in place, so that it never precedes an error
+    if warning := bf16_warning(options, args.device.type == "cuda"):
+        logger.warning(warning)
     trainer.train(resume_from_checkpoint=resume_from)
     session.controller.prune()
     check_replicas_agree(session.controller)
