@@ -142,3 +142,41 @@ def test_short_documents_run_on_into_one_block(tmp_path, tokenizer):
     (tmp_path / "short.jsonl").write_text("".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(60)))
     taken = sample(str(tmp_path / "short.jsonl"), tokenizer, 16, tokenizer.vocab_size, max_tokens=10 ** 6)
     assert taken.blocks and all(len(b) == 16 for blocks in taken.blocks for b in blocks)
+
+
+def test_a_built_in_corpus_is_tokenized_once_per_tokenizer(tmp_path, tokenizer, monkeypatch):
+    """The built-in corpora are fixed text: a second calibration read in the same process takes the
+    ids kept from the first, the same ids the tokenizer gives; files are read afresh every time."""
+    from comera_convert import text
+
+    corpus = [" ".join(f"word{i} and word{i + 1} in text number {i}" for _ in range(8)) for i in range(40)]
+    monkeypatch.setattr(text, "_KEPT_IDS", {})
+    monkeypatch.setattr(text, "documents", lambda source: iter(corpus))
+    first = text.sample("english", tokenizer, 32, tokenizer.vocab_size, max_tokens=10 ** 6)
+    training = [t for i, t in enumerate(corpus) if not is_held_out(i)]
+    expected = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in training]
+    assert list(text.training_token_ids("english", tokenizer)) == expected
+    assert len(text._KEPT_IDS) == 1
+
+    tokenized = []
+    real = text._token_ids
+    monkeypatch.setattr(text, "_token_ids", lambda texts, tok: tokenized.append(1) or real(texts, tok))
+    again = text.sample("english", tokenizer, 32, tokenizer.vocab_size, max_tokens=10 ** 6)
+    assert not tokenized  # the kept ids
+    assert again.tokens == first.tokens and torch.equal(again.counts, first.counts)
+    assert [[b.tolist() for b in d] for d in again.blocks] == [[b.tolist() for b in d] for d in first.blocks]
+    capped = text.sample("english", tokenizer, 32, tokenizer.vocab_size, max_tokens=100)
+    assert capped.tokens == 100 and not tokenized
+
+    # Another tokenizer definition is another entry; the oldest goes past KEPT_TOKENIZERS.
+    other = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    other.add_tokens(["word7"])
+    with_added = list(text.training_token_ids("english", other))
+    assert sum(ids.count(len(tokenizer)) for ids in with_added) == sum(t.count("word7 ") for t in training)
+    assert len(tokenized) == 1 and len(text._KEPT_IDS) == 2
+
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus))
+    monkeypatch.setattr(text, "documents", documents)
+    text.sample(str(tmp_path / "docs.jsonl"), tokenizer, 32, tokenizer.vocab_size, max_tokens=10 ** 6)
+    text.sample(str(tmp_path / "docs.jsonl"), tokenizer, 32, tokenizer.vocab_size, max_tokens=10 ** 6)
+    assert len(tokenized) == 3 and len(text._KEPT_IDS) == 2  # a file: read and tokenized each time

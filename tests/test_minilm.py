@@ -37,6 +37,17 @@ def minilm_tt4(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def readme_conversion(tmp_path_factory):
+    """`comera convert minilm --ratio 4` as the README runs it (streamed, calibrated block by block,
+    a codebook word table), on 32 calibration sequences instead of 128 to save time."""
+    out = tmp_path_factory.mktemp("readme") / "minilm-tt4"
+    done = subprocess.run(CLI + ["convert", "minilm", "--ratio", "4", "--calibration-sequences", "32",
+                                 "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return out
+
+
 def test_cli_convert_report_and_fresh_process_load(minilm_tt4, tmp_path):
     from transformers import AutoTokenizer
 
@@ -73,17 +84,14 @@ def test_cli_convert_report_and_fresh_process_load(minilm_tt4, tmp_path):
     assert torch.allclose(loaded, expected, rtol=1e-4, atol=1e-5)
 
 
-def test_the_readme_conversion_loads_equal_two_ways(tmp_path):
+def test_the_readme_conversion_loads_equal_two_ways(readme_conversion):
     """`comera convert minilm --ratio 4` as the README runs it, calibrated, its word embedding a
     codebook table (its one-byte codes a buffer, written by the streaming spool), loads to equal
     outputs through AutoModel and comera_convert.from_pretrained."""
     from safetensors import safe_open
     from transformers import AutoModel, AutoTokenizer
 
-    out = tmp_path / "minilm-tt4"
-    done = subprocess.run(CLI + ["convert", "minilm", "--ratio", "4", "--calibration-sequences", "16",
-                                 "--out", str(out)], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
+    out = readme_conversion
     with safe_open(out / "model.safetensors", "pt") as stored:
         assert stored.get_slice("embeddings.word_embeddings.codes").get_dtype() == "U8"
     tokenizer = AutoTokenizer.from_pretrained(out)
@@ -178,7 +186,8 @@ def test_default_conversion_is_more_faithful_in_its_worst_domain_than_the_previo
     assert worst["default"] > worst["previous"] + 0.05 > worst["plain"] + 0.1
 
 
-def test_the_default_at_ratio_4_keeps_more_of_the_retrieval_task_than_the_previous_defaults(tmp_path):
+def test_the_default_at_ratio_4_keeps_more_of_the_retrieval_task_than_the_previous_defaults(readme_conversion,
+                                                                                             tmp_path):
     """The README's conversion (streamed, calibrated block by block) as it is now and as it was: a
     codebook word table whose savings go to the linears, each linear fit to the inputs the
     compressed layers before it produce; the same with a TT word table; and that with each linear
@@ -197,13 +206,16 @@ def test_the_default_at_ratio_4_keeps_more_of_the_retrieval_task_than_the_previo
     tokenizer = AutoTokenizer.from_pretrained(path)
     pairs = domain_pairs("english", 200)
     dense_recall = model_retrieval(dense.eval(), tokenizer, pairs, 128)["recall_at_1"]
-    kept = {}
-    for name, changes in (("default", {}), ("tt table", {"word_embedding": "tt"}),
+    converted = {"default": readme_conversion}
+    for name, changes in (("tt table", {"word_embedding": "tt"}),
                           ("uncompensated", {"word_embedding": "tt", "compensate": False})):
         options = ConvertOptions(ratio=4, calibration="english", calibration_sequences=32, **changes)
         result = convert_checkpoint("minilm", tmp_path / name, options)
         assert result.report.extra["streamed"]
-        model = AutoModel.from_pretrained(tmp_path / name).eval()
+        converted[name] = tmp_path / name
+    kept = {}
+    for name, path in converted.items():
+        model = AutoModel.from_pretrained(path).eval()
         kept[name] = model_retrieval(model, tokenizer, pairs, 128)["recall_at_1"] / dense_recall
     print(f"MiniLM --ratio 4, share of dense recall@1 kept on {len(pairs)} held-out english pairs: {kept}")
     assert kept["default"] > kept["tt table"] + 0.04

@@ -164,7 +164,9 @@ def train_step_case(device: str, dtype, quick: bool, repeats: int, progress=None
     """``variants``: names to run (with their dense baselines); None runs every one."""
     progress = progress or (lambda message: None)
     seq = 32 if quick else 128
-    batches = [2, 1] if quick else ([32, 1] if device == "cuda" else [8, 1])
+    # A full run measures a training batch and a single sequence; --quick one small batch (each
+    # variant is a fresh process that imports torch and transformers: 4-6 s of a smoke run).
+    batches = [2] if quick else ([32, 1] if device == "cuda" else [8, 1])
     variants = chosen_variants(device, variants)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
