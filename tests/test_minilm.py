@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,24 +29,25 @@ def embed(model, tokenizer):
 CLI = [sys.executable, "-m", "comera_convert"]
 
 
-@pytest.fixture(scope="module")
-def minilm_tt4(tmp_path_factory):
-    out = tmp_path_factory.mktemp("minilm") / "minilm-tt4"
-    done = subprocess.run(CLI + ["convert", "minilm", "--ratio", "4", "--no-calibration", "--out", str(out)],
+def convert_at_ratio_4(folder: Path, *options: str) -> Path:
+    """`comera convert minilm --ratio 4 [options]` in a fresh process, into ``folder``/minilm-tt4."""
+    out = folder / "minilm-tt4"
+    done = subprocess.run(CLI + ["convert", "minilm", "--ratio", "4", *options, "--out", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     return out
 
 
 @pytest.fixture(scope="module")
+def minilm_tt4(tmp_path_factory):
+    return convert_at_ratio_4(tmp_path_factory.mktemp("minilm"), "--no-calibration")
+
+
+@pytest.fixture(scope="module")
 def readme_conversion(tmp_path_factory):
     """`comera convert minilm --ratio 4` as the README runs it (streamed, calibrated block by block,
     a codebook word table), on 32 calibration sequences instead of 128 to save time."""
-    out = tmp_path_factory.mktemp("readme") / "minilm-tt4"
-    done = subprocess.run(CLI + ["convert", "minilm", "--ratio", "4", "--calibration-sequences", "32",
-                                 "--out", str(out)], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return out
+    return convert_at_ratio_4(tmp_path_factory.mktemp("readme"), "--calibration-sequences", "32")
 
 
 def test_cli_convert_report_and_fresh_process_load(minilm_tt4, tmp_path):
@@ -214,8 +216,8 @@ def test_the_default_at_ratio_4_keeps_more_of_the_retrieval_task_than_the_previo
         assert result.report.extra["streamed"]
         converted[name] = tmp_path / name
     kept = {}
-    for name, path in converted.items():
-        model = AutoModel.from_pretrained(path).eval()
+    for name, folder in converted.items():
+        model = AutoModel.from_pretrained(folder).eval()
         kept[name] = model_retrieval(model, tokenizer, pairs, 128)["recall_at_1"] / dense_recall
     print(f"MiniLM --ratio 4, share of dense recall@1 kept on {len(pairs)} held-out english pairs: {kept}")
     assert kept["default"] > kept["tt table"] + 0.04
