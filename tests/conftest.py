@@ -1,3 +1,4 @@
+import logging
 import os
 
 # Tests never reach the Hugging Face Hub: models come from configs or the packaged MiniLM.
@@ -11,6 +12,17 @@ import torch
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _library_logger():
+    """Each test starts with the library logger as Python leaves it (no handler, propagating): the
+    CLI routes it to its console and stops propagation, which would hide its records from caplog
+    in every test after the first CLI call, fixtures' calls included."""
+    logger = logging.getLogger("comera_convert")
+    logger.handlers.clear()
+    logger.setLevel(logging.NOTSET)
+    logger.propagate = True
 
 
 def tolerance(dtype: torch.dtype) -> float:
