@@ -63,6 +63,20 @@ def test_one_mode_needs_the_tt_layout():
     assert ConvertOptions(d=1).d == 1
 
 
+@pytest.mark.parametrize("options, modes", [
+    (dict(ratio=2), 3), (dict(ratio=3), 2), (dict(ratio=4), 1), (dict(ratio=8), 1),
+    (dict(ratio=None, rank=30), 3),
+    (dict(ratio=4, layout="ttm"), 2), (dict(ratio=4, embedding_layout="ttm"), 2),
+    (dict(ratio=4, d=2), 2),
+])
+def test_default_modes_follow_the_ratio_and_the_layout(options, modes):
+    """Three modes below --ratio 3 and with a fixed rank, two from 3, one (plain low-rank) from 4
+    unless a ttm layout needs two; an explicit --modes wins."""
+    from comera_convert.conversion.options import ConvertOptions
+
+    assert ConvertOptions(**options).d == modes
+
+
 def test_whitened_tt_at_full_rank_is_exact_with_padding():
     spec = TTSpec.plan(97, 50, 10_000, layout="tt", d=2)  # 97 is prime: padded input modes
     matrix, x = torch.randn(97, 50, dtype=torch.float64), anisotropic_inputs(97)

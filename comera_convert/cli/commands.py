@@ -45,7 +45,7 @@ def _default_out(model: str, ratio, rank) -> str:
               help="The input embedding as a tt, or as a codebook table (one byte per 4 columns of a row, "
                    "shared centres) whose savings go to the linears [default: codebook with --ratio, tt with --rank].")
 @click.option("--modes", "d", type=int, default=None,
-              help="Tensor modes per side, 1 (plain low-rank, a truncated SVD) to 4 [default: 3; 2 from --ratio 3 on].")
+              help="Tensor modes per side, 1 (plain low-rank, a truncated SVD) to 4 [default: 3; 2 from --ratio 3 on; 1 from --ratio 4 on, 2 with ttm].")
 @click.option("--targets", default=None, help="Comma-separated module-name patterns to convert.")
 @click.option("--exclude", default=None, help="Comma-separated module-name patterns to keep dense.")
 @click.option("--no-gates", is_flag=True, default=False, help="Leave out the rank gates (no rank adaptation).")

@@ -16,11 +16,27 @@ ALLOCATIONS = ("uniform", "measured", "sensitivity")
 # Debian descriptions): at --ratio 4 two modes keep 0.49 / 0.38 / 0.62 / 0.61 against three modes'
 # 0.43 / 0.33 / 0.46 / 0.53; at --ratio 2 three modes are the better (BENCHMARKS.md, Quality).
 TWO_MODES_FROM_RATIO = 3.0
+# From this ratio on, one mode per side (a plain low-rank factorization, whitened by the
+# calibration) is the default: all-MiniLM-L6-v2 at --ratio 4 with the codebook table and
+# compensation keeps about what two modes keep right after conversion, and trains better: 30
+# minutes of recipes/train-minilm-distill.yaml end at held-out loss 0.568 against 0.651 (3963
+# steps against 3663: two matrix products per layer instead of a contraction), recall@1 kept
+# 0.94 / 0.76 / 0.94 / 0.92 on english / code / man / Debian (400 pairs) against 0.91 / 0.62 /
+# 0.93 / 0.87 (BENCHMARKS.md, Recovery in CPU minutes). Only MiniLM was measured here.
+ONE_MODE_FROM_RATIO = 4.0
 # Error compensation pays where the compression error is large: all-MiniLM-L6-v2 at --ratio 4
 # kept 0.72-0.74 of dense recall@1 on three natural-language domains instead of 0.49-0.62, at
 # --ratio 2 0.81-0.85 instead of 0.84-0.86 (BENCHMARKS.md, Conversion routes side by side).
 COMPENSATE_FROM_RATIO = 3.0
 WORD_EMBEDDINGS = ("tt", "codebook")
+
+
+def default_modes(ratio: float | None, ttm: bool = False) -> int:
+    """Modes per side for a --ratio (None: a fixed --rank, CoMERA's three); a ttm layout needs two
+    or more (one ttm mode would be the dense matrix itself)."""
+    if ratio is None or ratio < TWO_MODES_FROM_RATIO:
+        return 3
+    return 1 if ratio >= ONE_MODE_FROM_RATIO and not ttm else 2
 
 
 @dataclass
@@ -39,9 +55,10 @@ class ConvertOptions:
     # embedding cosine 0.32 against 0.12 with ttm).
     layout: str = "tt"
     embedding_layout: str = "tt"
-    # Modes per side: CoMERA splits 768 and 3072 into 3 modes each. 1 is the plain low-rank
-    # baseline: a truncated SVD (whitened when calibrated) with the same rank allocation. None picks
-    # by the ratio: 3 below TWO_MODES_FROM_RATIO (and for a fixed --rank), 2 from it on.
+    # Modes per side: CoMERA splits 768 and 3072 into 3 modes each. 1 is a plain low-rank
+    # factorization: a truncated SVD (whitened when calibrated) with the same rank allocation.
+    # None picks by the ratio (default_modes): 3 below TWO_MODES_FROM_RATIO (and for a fixed
+    # --rank), 2 from it on, 1 from ONE_MODE_FROM_RATIO on.
     d: int | None = None
     targets: list[str] | None = None
     exclude: list[str] | None = None
@@ -115,7 +132,8 @@ class ConvertOptions:
             if getattr(self, name) not in LAYOUTS:
                 raise ConfigError(expected(f"{name} in {LAYOUTS}", getattr(self, name)))
         if self.d is None:
-            self.d = 2 if self.rank is None and self.ratio >= TWO_MODES_FROM_RATIO else 3
+            self.d = default_modes(self.ratio if self.rank is None else None,
+                                   ttm="ttm" in (self.layout, self.embedding_layout))
         if self.d not in (1, 2, 3, 4):
             raise ConfigError(expected("d (modes per side) in (1, 2, 3, 4)", self.d))
         if self.d == 1 and "ttm" in (self.layout, self.embedding_layout):
