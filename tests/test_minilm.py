@@ -191,12 +191,12 @@ def test_default_conversion_is_more_faithful_in_its_worst_domain_than_the_previo
 def test_the_default_at_ratio_4_keeps_more_of_the_retrieval_task_than_the_previous_defaults(readme_conversion,
                                                                                              tmp_path):
     """The README's conversion (streamed, calibrated block by block) as it is now and as it was: a
-    codebook word table whose savings go to the linears, each linear fit to the inputs the
-    compressed layers before it produce; the same with a TT word table; and that with each linear
-    fit to the dense inputs. Held-out english pairs (a passage's first sentence against its rest).
-    Measured with 128 sequences and 400 pairs: 0.835 / 0.719 / 0.494 of dense recall@1, on man
-    pages 0.835 / 0.733 / 0.618 (BENCHMARKS.md). 32 sequences and 200 pairs here, so the FFN output
-    layers (1536 inputs) are fit to the dense inputs (MIN_ROWS_PER_INPUT)."""
+    codebook word table whose savings go to the linears (one mode per side), each linear fit to the
+    inputs the compressed layers before it produce; with two modes and a TT word table; and that
+    with each linear fit to the dense inputs. Held-out english pairs (a passage's first sentence
+    against its rest). Measured with 128 sequences and 400 pairs: 0.831 / 0.719 / 0.494 of dense
+    recall@1, on man pages 0.835 / 0.733 / 0.618 (BENCHMARKS.md). 32 sequences and 200 pairs here,
+    so the FFN output layers (1536 inputs) are fit to the dense inputs (MIN_ROWS_PER_INPUT)."""
     from transformers import AutoModel, AutoTokenizer
 
     from comera_convert.api import convert_checkpoint

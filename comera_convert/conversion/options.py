@@ -131,12 +131,12 @@ class ConvertOptions:
         for name in ("layout", "embedding_layout"):
             if getattr(self, name) not in LAYOUTS:
                 raise ConfigError(expected(f"{name} in {LAYOUTS}", getattr(self, name)))
+        ttm = "ttm" in (self.layout, self.embedding_layout)
         if self.d is None:
-            self.d = default_modes(self.ratio if self.rank is None else None,
-                                   ttm="ttm" in (self.layout, self.embedding_layout))
+            self.d = default_modes(self.ratio if self.rank is None else None, ttm=ttm)
         if self.d not in (1, 2, 3, 4):
             raise ConfigError(expected("d (modes per side) in (1, 2, 3, 4)", self.d))
-        if self.d == 1 and "ttm" in (self.layout, self.embedding_layout):
+        if self.d == 1 and ttm:
             raise ConfigError("--modes 1 is a plain low-rank factorization (truncated SVD: one core per "
                               "side), which needs the tt layout: a one-mode ttm is the dense matrix itself "
                               f"(got layout {self.layout}, embedding_layout {self.embedding_layout})")
