@@ -186,13 +186,15 @@ def test_distill_objective_uses_the_recorded_teacher(tmp_path, tokenizer, corpus
 
 class TrainingOutputDtypes(TrainerCallback):
     """The dtypes the model's first linear layer (dense or TT) gave in training-mode forwards (the
-    held-out evaluations run in eval mode)."""
+    held-out evaluations run in eval mode), and the attention implementations the steps ran with."""
 
     def __init__(self):
         self.dtypes = set()
+        self.attention = set()
         self.hooked = False
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
+        self.attention.add(model.config._attn_implementation)
         if not self.hooked:
             layer = next(m for m in model.modules() if isinstance(m, (nn.Linear, comera_convert.TTLinear)))
             layer.register_forward_hook(lambda m, i, out: self.dtypes.add(out.dtype) if m.training else None)
@@ -200,16 +202,41 @@ class TrainingOutputDtypes(TrainerCallback):
 
 
 def test_bf16_distillation_on_cpu_computes_in_bf16_and_keeps_float32_weights(tmp_path, tokenizer, corpus):
-    """As recipes/train-minilm-distill.yaml runs on a CPU: autocast GEMMs, float32 master weights."""
+    """As recipes/train-minilm-distill.yaml runs on a CPU: autocast GEMMs, float32 master weights,
+    eager attention while it trains; the trained checkpoint loads with the default attention."""
     path = compressed(tmp_path, tokenizer, ratio=2)
+    loaded_with = comera_convert.from_pretrained(path).config._attn_implementation
     options = TrainOptions(objective="distill", data=str(corpus), bf16=True,
                            **{**FAST, "lr_gates": 1e-3, "lr_cores": 5e-4, "early_steps": 12})
     dtypes = TrainingOutputDtypes()
     result = train(str(path), options, tmp_path / "out", callbacks=[dtypes])
     assert dtypes.dtypes == {torch.bfloat16}
+    assert loaded_with != "eager" and dtypes.attention == {"eager"}
     assert result.held_out_after < result.held_out_before
     trained = comera_convert.from_pretrained(tmp_path / "out")
     assert {p.dtype for p in trained.parameters()} == {torch.float32}
+    assert trained.config._attn_implementation == loaded_with
+
+
+@pytest.mark.parametrize("cuda, bf16, switched", [(False, True, True), (False, False, False), (True, True, False)])
+def test_training_attention_is_eager_only_under_bf16_on_a_cpu(cuda, bf16, switched):
+    """The switch that speeds up CPU bf16 training computes what the loaded attention computes."""
+    from transformers import BertConfig, BertModel
+
+    from comera_convert.training.run import use_training_attention
+
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                 vocab_size=100, max_position_embeddings=32)).eval()
+    ids = torch.randint(0, 100, (2, 16))
+    mask = torch.ones_like(ids)
+    mask[1, 10:] = 0
+    loaded_with = model.config._attn_implementation
+    before = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    use_training_attention([model, None], cuda=cuda, bf16=bf16)
+    assert model.config._attn_implementation == ("eager" if switched else loaded_with)
+    after = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(after[mask.bool()], before[mask.bool()], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("bf16, cuda, native, warned", [(True, False, False, True), (True, False, True, False),

@@ -146,11 +146,14 @@ def train_step_child(variant: str, path: str, batch: int, seq: int, device: str,
     """One variant in a fresh process: its peak memory above the post-import baseline covers the
     weights, gradients, optimizer state and activations of training (in ``dtype_name`` under
     autocast, see ``training_step``: casting the weights would measure another training)."""
+    from ..training.run import use_training_attention
+
     compute_dtype = getattr(torch, dtype_name)
     base, suffix = split_variant(variant)
     with_graph = suffix == GRAPH_SUFFIX
     with PeakMemory(device) as peak:
         model, optimizer = load_variant(base, path, device, capturable=with_graph)
+        use_training_attention([model], cuda=device.startswith("cuda"), bf16=compute_dtype != torch.float32)
         if suffix == CHECKPOINT_SUFFIX:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)

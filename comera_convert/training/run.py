@@ -182,6 +182,20 @@ def native_bf16_cpu() -> bool:
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
+def use_training_attention(models, cuda: bool, bf16: bool) -> None:
+    """Eager attention for the models a CPU run under bf16 autocast trains and distills from (the
+    loaded models keep theirs elsewhere; the checkpoints written do not record it). torch's CPU
+    flash-attention backward in bfloat16 is slow at these shapes: the --ratio 4 MiniLM's forward and
+    backward at batch 8 x 128 took 176-182 ms with eager attention against 262-292 ms with sdpa
+    (float32 level), and five minutes of recipes/train-minilm-distill.yaml ran 710 steps instead of
+    647 (BENCHMARKS.md, Recovery in CPU minutes)."""
+    if cuda or not bf16:
+        return
+    for model in models:
+        if model is not None:
+            model.set_attn_implementation("eager")
+
+
 def bf16_warning(options: TrainOptions, cuda: bool) -> str | None:
     """One line when bf16 is asked for on a CPU that emulates it, else None."""
     if options.bf16 and not cuda and not native_bf16_cpu():
@@ -311,6 +325,7 @@ def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, 
     session.model.to(args.device)
     if session.teacher is not None:
         session.teacher.to(args.device)
+    use_training_attention((session.model, session.teacher), args.device.type == "cuda", args.bf16)
     held_out = HeldOut(session, blocks.held_out, collate)
     before = held_out.measure()
     sharding = _shard(session, resume_from) if options.fsdp else None
