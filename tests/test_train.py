@@ -218,25 +218,33 @@ def test_bf16_distillation_on_cpu_computes_in_bf16_and_keeps_float32_weights(tmp
     assert trained.config._attn_implementation == loaded_with
 
 
-@pytest.mark.parametrize("cuda, bf16, switched", [(False, True, True), (False, False, False), (True, True, False)])
-def test_training_attention_is_eager_only_under_bf16_on_a_cpu(cuda, bf16, switched):
-    """The switch that speeds up CPU bf16 training computes what the loaded attention computes."""
-    from transformers import BertConfig, BertModel
-
+@pytest.mark.parametrize("case", ["bert", "distilbert-mlm", "gpt2-clm", "llama-clm"])
+def test_training_attention_is_eager_under_bf16_on_a_cpu_and_computes_the_same(case):
+    """The switch that speeds up CPU bf16 training computes what the loaded attention computes,
+    padding included, for each architecture family."""
     from comera_convert.training.run import use_training_attention
 
-    torch.manual_seed(0)
-    model = BertModel(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                                 vocab_size=100, max_position_embeddings=32)).eval()
-    ids = torch.randint(0, 100, (2, 16))
-    mask = torch.ones_like(ids)
-    mask[1, 10:] = 0
+    from .tiny_models import inputs, outputs
+
+    model = build(case)
+    batch = inputs()
+    batch["attention_mask"][1, 8:] = 0
+    kept = batch["attention_mask"].bool()
+    assert model.config._attn_implementation != "eager"
+    before = outputs(model, batch)
+    use_training_attention([model, None], cuda=False, bf16=True)
+    assert model.config._attn_implementation == "eager"
+    torch.testing.assert_close(outputs(model, batch)[kept], before[kept], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cuda, bf16", [(False, False), (True, True)])
+def test_training_attention_stays_as_loaded_in_float32_and_on_cuda(cuda, bf16):
+    from comera_convert.training.run import use_training_attention
+
+    model = build("bert")
     loaded_with = model.config._attn_implementation
-    before = model(input_ids=ids, attention_mask=mask).last_hidden_state
-    use_training_attention([model, None], cuda=cuda, bf16=bf16)
-    assert model.config._attn_implementation == ("eager" if switched else loaded_with)
-    after = model(input_ids=ids, attention_mask=mask).last_hidden_state
-    torch.testing.assert_close(after[mask.bool()], before[mask.bool()], rtol=1e-5, atol=1e-5)
+    use_training_attention([model], cuda=cuda, bf16=bf16)
+    assert model.config._attn_implementation == loaded_with
 
 
 @pytest.mark.parametrize("bf16, cuda, native, warned", [(True, False, False, True), (True, False, True, False),
