@@ -222,7 +222,7 @@ def test_bf16_distillation_on_cpu_computes_in_bf16_and_keeps_float32_weights(tmp
 def test_training_attention_is_eager_under_bf16_on_a_cpu_and_computes_the_same(case):
     """The switch that speeds up CPU bf16 training computes what the loaded attention computes,
     padding included, for each architecture family."""
-    from comera_convert.training.run import use_training_attention
+    from comera_convert.training.attention import use_training_attention
 
     from .tiny_models import inputs, outputs
 
@@ -239,7 +239,7 @@ def test_training_attention_is_eager_under_bf16_on_a_cpu_and_computes_the_same(c
 
 @pytest.mark.parametrize("cuda, bf16", [(False, False), (True, True)])
 def test_training_attention_stays_as_loaded_in_float32_and_on_cuda(cuda, bf16):
-    from comera_convert.training.run import use_training_attention
+    from comera_convert.training.attention import use_training_attention
 
     model = build("bert")
     loaded_with = model.config._attn_implementation

@@ -146,7 +146,7 @@ def train_step_child(variant: str, path: str, batch: int, seq: int, device: str,
     """One variant in a fresh process: its peak memory above the post-import baseline covers the
     weights, gradients, optimizer state and activations of training (in ``dtype_name`` under
     autocast, see ``training_step``: casting the weights would measure another training)."""
-    from ..training.run import use_training_attention
+    from ..training.attention import use_training_attention
 
     compute_dtype = getattr(torch, dtype_name)
     base, suffix = split_variant(variant)

@@ -7,6 +7,7 @@ objectives    mlm, clm, distill: heads, collators and the task loss
 trainer       ComeraTrainer (optimizer groups, staged loss, truncated checkpoints, resume)
 fsdp          --fsdp: FSDP2 sharding with whole gates, the gathered twin for saving, sharded AdamW state
 plot          the loss / ratio curve as a PNG
+attention     eager attention where a CPU trains under bf16 autocast
 run           train(): load -> data -> Trainer -> export
 
 ``train`` and ``TrainResult`` load transformers' Trainer, so they are imported on first use:

@@ -21,6 +21,7 @@ from ..hf.config import compression_of
 from ..models import load_tokenizer, read_config, resolve
 from ..retrieval import held_out_pairs, model_retrieval
 from ..text import Blocks, pack
+from .attention import use_training_attention
 from .objectives import BlockCollator, pick_objective, resolve_objective, task_for, task_loss
 from .options import TrainOptions
 from .rank_control import RankController
@@ -180,20 +181,6 @@ def native_bf16_cpu() -> bool:
     in the same minutes (a bf16 GEMM of its shapes runs 2.5x faster, the teacher's forward 1.6x);
     elsewhere bfloat16 is emulated and slower than float32."""
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-
-
-def use_training_attention(models, cuda: bool, bf16: bool) -> None:
-    """Eager attention for the models a CPU run under bf16 autocast trains and distills from (the
-    loaded models keep theirs elsewhere; the checkpoints written do not record it). torch's CPU
-    flash-attention backward in bfloat16 is slow at these shapes: the --ratio 4 MiniLM's forward and
-    backward at batch 8 x 128 took 176-182 ms with eager attention against 262-292 ms with sdpa
-    (float32 level), and five minutes of recipes/train-minilm-distill.yaml ran 710 steps instead of
-    647 (BENCHMARKS.md, Recovery in CPU minutes)."""
-    if cuda or not bf16:
-        return
-    for model in models:
-        if model is not None:
-            model.set_attn_implementation("eager")
 
 
 def bf16_warning(options: TrainOptions, cuda: bool) -> str | None:
