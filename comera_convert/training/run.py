@@ -312,14 +312,15 @@ def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, 
     session.model.to(args.device)
     if session.teacher is not None:
         session.teacher.to(args.device)
-    use_training_attention((session.model, session.teacher), args.device.type == "cuda", args.bf16)
+    cuda = args.device.type == "cuda"
+    use_training_attention((session.model, session.teacher), cuda, args.bf16)
     held_out = HeldOut(session, blocks.held_out, collate)
     before = held_out.measure()
     sharding = _shard(session, resume_from) if options.fsdp else None
     trainer = _trainer(session, args, blocks, collate, callbacks, sharding)
     if session.objective_note:
         logger.info(session.objective_note)  # once everything is in place, so that it never precedes an error
-    if warning := bf16_warning(options, args.device.type == "cuda"):
+    if warning := bf16_warning(options, cuda):
         logger.warning(warning)
     trainer.train(resume_from_checkpoint=resume_from)
     session.controller.prune()
