@@ -289,12 +289,17 @@ def training_token_ids(source: str, tokenizer) -> Iterator[list[int]]:
 
 
 def _kept_key(source: str, tokenizer) -> tuple[str, str] | None:
-    """(corpus, digest of the tokenizer's whole definition) for a built-in corpus read by a fast
-    tokenizer; None for anything else (files and datasets can change between reads)."""
+    """(corpus, digest of the tokenizer's definition) for a built-in corpus read by a fast
+    tokenizer; None for anything else (files and datasets can change between reads). The digest
+    leaves out the truncation and padding settings: every call of the tokenizer rewrites them (a
+    loaded tokenizer's first call changed its digest, so the first corpus read was tokenized twice),
+    and ``_token_ids`` encodes with neither."""
     if source not in CORPORA or not getattr(tokenizer, "is_fast", False):
         return None
-    definition = tokenizer.backend_tokenizer.to_str()
-    return source, hashlib.sha256(definition.encode()).hexdigest()
+    definition = json.loads(tokenizer.backend_tokenizer.to_str())
+    for call_setting in ("truncation", "padding"):
+        definition.pop(call_setting, None)
+    return source, hashlib.sha256(json.dumps(definition, sort_keys=True).encode()).hexdigest()
 
 
 def _token_ids(texts: Iterator[str], tokenizer, chunk: int = 64) -> Iterator[list[int]]:
