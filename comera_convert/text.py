@@ -11,6 +11,12 @@ Two corpora ship with the package and need no network:
 ``python-stdlib``  the source of the running Python's standard library (real code and docstrings, as
                    in CoMERA's code pre-training experiment).
 
+and one training mix of them, ``english+python-stdlib``: english's training passages, each followed
+by a piece of about 180 words of the standard library's training files until the pieces run out (a
+broader text to distill on than prose alone; BENCHMARKS.md, Recovery in CPU minutes). Built from the
+two corpora's training documents only, so their held-out splits stay unread; the mix's own every-20th
+document is its held-out split, as for any source.
+
 Documents are split into train and held-out sets by a fixed rule (every 20th document is held out),
 tokenized with the checkpoint's tokenizer and packed into blocks of ``seq_len`` tokens.
 """
@@ -21,6 +27,7 @@ import difflib
 import hashlib
 import json
 import lzma
+import random
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +40,9 @@ from .errors import ConfigError
 ENGLISH = "english"
 PYTHON_STDLIB = "python-stdlib"
 BUILTIN = PYTHON_STDLIB  # the code corpus (what code models calibrate and train on by default)
-CORPORA = (ENGLISH, PYTHON_STDLIB)  # the built-in corpora, by name
+ENGLISH_AND_CODE = "english+python-stdlib"
+CORPORA = (ENGLISH, PYTHON_STDLIB)  # the built-in corpora, by name (and comera eval's default domains)
+BUILTIN_SOURCES = (*CORPORA, ENGLISH_AND_CODE)  # every source --data and --calibration take by name
 ENGLISH_FILE = Path(__file__).resolve().parent / "corpora" / "english.jsonl.xz"
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".c", ".h", ".js", ".ts", ".java", ".go", ".rs", ".json",
                  ".html", ".css", ".sh", ".yaml", ".yml", ".toml", ".tex"}
@@ -60,9 +69,9 @@ def stdlib_files() -> list[Path]:
 def check_corpus_name(source: str) -> None:
     """Refuse a name that is no file or folder but close to a built-in corpus's (a typo), before a
     dataset hub is asked for it."""
-    close = difflib.get_close_matches(source, CORPORA, n=1, cutoff=0.7)
-    if close and source not in CORPORA and not Path(source).expanduser().exists():
-        raise ConfigError(f"{source!r} is not a built-in corpus (they are {', '.join(CORPORA)}); "
+    close = difflib.get_close_matches(source, BUILTIN_SOURCES, n=1, cutoff=0.7)
+    if close and source not in BUILTIN_SOURCES and not Path(source).expanduser().exists():
+        raise ConfigError(f"{source!r} is not a built-in corpus (they are {', '.join(BUILTIN_SOURCES)}); "
                           f"did you mean {close[0]!r}?")
 
 
@@ -71,6 +80,44 @@ def english_documents() -> Iterator[str]:
     with lzma.open(ENGLISH_FILE, "rt", encoding="utf-8") as f:
         for line in f:
             yield json.loads(line)["text"]
+
+
+PIECE_WORDS = 180  # a code piece of the mix: about an english passage's length (~180 words)
+MIN_PIECE_WORDS = 30  # a file's shorter tail is dropped
+PIECE_SEED = 0  # the pieces' fixed shuffle: files would otherwise follow each other in path order
+
+
+def code_pieces() -> list[str]:
+    """The ``python-stdlib`` corpus's training documents cut at blank lines into pieces of
+    ``PIECE_WORDS`` words or more, in a fixed shuffled order. Held out as that corpus holds out
+    (by the index among its documents, the empty files left out), so that the held-out code
+    ``comera eval`` measures stays unread."""
+    pieces = []
+    for index, text in enumerate(documents(PYTHON_STDLIB)):
+        if is_held_out(index):
+            continue
+        current, words = [], 0
+        for paragraph in text.split("\n\n"):
+            current.append(paragraph)
+            words += len(paragraph.split())
+            if words >= PIECE_WORDS:
+                pieces.append("\n\n".join(current))
+                current, words = [], 0
+        if current and words >= MIN_PIECE_WORDS:
+            pieces.append("\n\n".join(current))
+    random.Random(PIECE_SEED).shuffle(pieces)
+    return pieces
+
+
+def mixed_documents() -> Iterator[str]:
+    """``english+python-stdlib``: the english training passages in order, the first ones each
+    followed by a code piece."""
+    pieces = code_pieces()
+    passages = (text for index, text in enumerate(english_documents()) if not is_held_out(index))
+    for index, passage in enumerate(passages):
+        yield passage
+        if index < len(pieces):
+            yield pieces[index]
 
 
 def _read(path: Path) -> str | None:
@@ -89,7 +136,7 @@ def _text_file(path: Path) -> str:
     if has_nul or undecodable > MAX_UNDECODABLE_SHARE:
         why = "it holds NUL bytes" if has_nul else f"{undecodable:.0%} of it is not UTF-8"
         raise ConfigError(f"--data {path} is not a text file ({why}): pass text, a folder of text files, "
-                          f"a JSONL file with a \"text\" field, or a built-in corpus ({', '.join(CORPORA)})")
+                          f"a JSONL file with a \"text\" field, or a built-in corpus ({', '.join(BUILTIN_SOURCES)})")
     return text
 
 
@@ -112,7 +159,7 @@ def _dataset(name: str) -> Iterator[str]:
         import datasets
     except ImportError:
         raise ConfigError(f"--data {name!r} is neither a file, a directory nor a built-in corpus "
-                          f"({', '.join(CORPORA)}); to use it as a Hugging Face dataset, "
+                          f"({', '.join(BUILTIN_SOURCES)}); to use it as a Hugging Face dataset, "
                           "pip install datasets") from None
     try:
         if Path(name).is_dir():
@@ -121,7 +168,7 @@ def _dataset(name: str) -> Iterator[str]:
             data = datasets.load_dataset(name, split="train")
     except Exception as err:  # datasets raises many kinds; all mean "cannot have it"
         raise ConfigError(f"cannot load the dataset {name!r} ({type(err).__name__}): check the name, or pass a "
-                          f"built-in corpus ({', '.join(CORPORA)}), a text file, a directory or a "
+                          f"built-in corpus ({', '.join(BUILTIN_SOURCES)}), a text file, a directory or a "
                           "JSONL file") from None
     if hasattr(data, "keys") and "train" in data:
         data = data["train"]
@@ -140,6 +187,9 @@ def documents(source: str) -> Iterator[str]:
             text = _read(path)
             if text:
                 yield text
+        return
+    if source == ENGLISH_AND_CODE:
+        yield from mixed_documents()
         return
     path = Path(source).expanduser()
     if path.is_dir() and (path / "dataset_info.json").is_file():  # datasets' save_to_disk folder
@@ -294,7 +344,7 @@ def _kept_key(source: str, tokenizer) -> tuple[str, str] | None:
     leaves out the truncation and padding settings: every call of the tokenizer rewrites them (a
     loaded tokenizer's first call changed its digest, so the first corpus read was tokenized twice),
     and ``_token_ids`` encodes with neither."""
-    if source not in CORPORA or not getattr(tokenizer, "is_fast", False):
+    if source not in BUILTIN_SOURCES or not getattr(tokenizer, "is_fast", False):
         return None
     definition = json.loads(tokenizer.backend_tokenizer.to_str())
     for call_setting in ("truncation", "padding"):

@@ -44,7 +44,7 @@ def test_english_corpus_mixes_its_sources_from_the_start():
 
 def test_unknown_corpus_names_list_the_built_in_ones():
     with pytest.raises(ConfigError, match=r"'englsh' is not a built-in corpus \(they are english, "
-                                          r"python-stdlib\); did you mean 'english'\?"):
+                                          r"python-stdlib, english\+python-stdlib\); did you mean 'english'\?"):
         list(documents("englsh"))
     with pytest.raises(ConfigError, match="did you mean 'python-stdlib'"):
         list(documents("python_stdlib"))
@@ -180,3 +180,48 @@ def test_a_built_in_corpus_is_tokenized_once_per_tokenizer(tmp_path, tokenizer, 
     text.sample(str(tmp_path / "docs.jsonl"), tokenizer, 32, tokenizer.vocab_size, max_tokens=10 ** 6)
     text.sample(str(tmp_path / "docs.jsonl"), tokenizer, 32, tokenizer.vocab_size, max_tokens=10 ** 6)
     assert len(tokenized) == 3 and len(text._KEPT_IDS) == 2  # a file: read and tokenized each time
+
+
+@pytest.fixture
+def small_mix(tmp_path, monkeypatch):
+    """english+python-stdlib over 100 english passages and 40 source files, each file 6 paragraphs
+    of 40 words (a piece closes after 5 of them, 200 words; the 6th makes a piece of 40), named by
+    its index; file 5 is empty, so python-stdlib's 20th document (held out) is file 20."""
+    from comera_convert import text
+
+    english = [f"english passage {i} " + "word " * 20 for i in range(100)]
+    files = []
+    for i in range(40):
+        files.append(tmp_path / f"module{i:02d}.py")
+        files[-1].write_text("" if i == 5 else "\n\n".join(f"file{i} paragraph{p} " + "token " * 38 for p in range(6)))
+    monkeypatch.setattr(text, "english_documents", lambda: iter(english))
+    monkeypatch.setattr(text, "stdlib_files", lambda: files)
+    return english
+
+
+def test_the_english_and_code_mix_reads_only_training_documents(small_mix):
+    from comera_convert.text import ENGLISH_AND_CODE
+
+    texts = list(documents(ENGLISH_AND_CODE))
+    # the english training passages in order (19, 39, ... held out), the first 76 each followed by
+    # one of the 76 code pieces
+    assert [t for t in texts if t.startswith("english")] == [t for i, t in enumerate(small_mix) if not is_held_out(i)]
+    assert all(t.startswith("english") for t in texts[0:152:2])
+    pieces = texts[1:152:2]
+    assert len(texts) == 95 + 76 and all(t.startswith("file") for t in pieces)
+    # held out as python-stdlib holds out (by the index among its non-empty documents): file 20
+    assert {int(piece.split()[0].removeprefix("file")) for piece in pieces} == set(range(40)) - {5, 20}
+    assert sorted(len(piece.split()) for piece in pieces) == [40] * 38 + [200] * 38
+    assert list(documents(ENGLISH_AND_CODE)) == texts  # a fixed order
+
+
+def test_the_mix_is_held_out_like_a_corpus(small_mix):
+    """comera eval and comera train's before/after scores read the mix's own held-out split, never
+    its training documents (which are all english and code training documents)."""
+    from comera_convert.evaluation import held_out_texts
+    from comera_convert.text import ENGLISH_AND_CODE
+
+    texts = list(documents(ENGLISH_AND_CODE))
+    assert held_out_texts(ENGLISH_AND_CODE, 1000) == [t for i, t in enumerate(texts) if is_held_out(i)]
+    with pytest.raises(ConfigError, match="did you mean 'english\\+python-stdlib'"):
+        list(documents("english+python-stdlb"))

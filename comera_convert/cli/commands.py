@@ -51,7 +51,8 @@ def _default_out(model: str, ratio, rank) -> str:
 @click.option("--no-gates", is_flag=True, default=False, help="Leave out the rank gates (no rank adaptation).")
 @click.option("--calibration", default=None, metavar="DATA",
               help="Data-aware init: minimize each layer's error on this text's activations "
-                   "(english, python-stdlib, a file, folder, JSONL or dataset) [default: english].")
+                   "(english, python-stdlib, english+python-stdlib, a file, folder, JSONL or dataset) "
+                   "[default: english].")
 @click.option("--no-calibration", is_flag=True, default=False,
               help="Plain TT-SVD of the weights, no calibration text (keeps far less of the model).")
 @click.option("--calibration-sequences", type=int, default=None, help="Calibration sequences [default: 128].")

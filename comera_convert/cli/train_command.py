@@ -67,7 +67,8 @@ OPTION_NAMES = ["objective", "data", "steps", "minutes", "seq_len", "batch_size"
 @main.command()
 @click.argument("model")
 @click.option("--data", default=None,
-              help="Text file, directory, JSONL, dataset name, python-stdlib, or english [default].")
+              help="Text file, directory, JSONL, dataset name, or a built-in corpus: english [default], "
+                   "python-stdlib, english+python-stdlib (both, for distillation).")
 @click.option("--objective", type=click.Choice(OBJECTIVES), default=None,
               help="Task loss [default: auto].")
 @click.option("--max-steps", "--steps", "steps", type=int, default=None, help="Optimizer steps [default: 1000].")
