@@ -93,9 +93,7 @@ def code_pieces() -> list[str]:
     (by the index among its documents, the empty files left out), so that the held-out code
     ``comera eval`` measures stays unread."""
     pieces = []
-    for index, text in enumerate(documents(PYTHON_STDLIB)):
-        if is_held_out(index):
-            continue
+    for text in training_documents(PYTHON_STDLIB):
         current, words = [], 0
         for paragraph in text.split("\n\n"):
             current.append(paragraph)
@@ -113,8 +111,7 @@ def mixed_documents() -> Iterator[str]:
     """``english+python-stdlib``: the english training passages in order, the first ones each
     followed by a code piece."""
     pieces = code_pieces()
-    passages = (text for index, text in enumerate(english_documents()) if not is_held_out(index))
-    for index, passage in enumerate(passages):
+    for index, passage in enumerate(training_documents(ENGLISH)):
         yield passage
         if index < len(pieces):
             yield pieces[index]
@@ -211,6 +208,11 @@ def documents(source: str) -> Iterator[str]:
     else:
         check_corpus_name(source)
         yield from _dataset(source)
+
+
+def training_documents(source: str) -> Iterator[str]:
+    """The documents of a data source that training reads: all but its held-out split."""
+    return (text for index, text in enumerate(documents(source)) if not is_held_out(index))
 
 
 @dataclass(frozen=True)
@@ -324,7 +326,7 @@ KEPT_TOKENIZERS = 2
 
 def training_token_ids(source: str, tokenizer) -> Iterator[list[int]]:
     """The token ids of ``source``'s training documents (the held-out ones skipped), in order."""
-    training = (text for i, text in enumerate(documents(source)) if not is_held_out(i))
+    training = training_documents(source)
     key = _kept_key(source, tokenizer)
     if key is None:
         yield from _token_ids(training, tokenizer)
