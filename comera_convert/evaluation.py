@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import ConfigError
-from .text import BUILTIN_SOURCES, CORPORA, documents, is_held_out
+from .text import BUILTIN_SOURCES, CORPORA, documents, held_out_documents
 from .hf.sentence_config import read_pipeline, sentence_embeddings
 from .progress import Progress, no_progress
 from .retrieval import PASSAGES_PER_PAIR, kept, model_retrieval, pairs_from_texts, read_pairs, retrieval_scores
@@ -36,7 +36,7 @@ def held_out_texts(source: str, count: int) -> list[str]:
     """Up to ``count`` evaluation texts: a built-in corpus's held-out split (the documents training
     never sees), or any other source's documents as given; a single document is split into paragraphs."""
     if source in BUILTIN_SOURCES:
-        texts = [t for i, t in enumerate(documents(source)) if is_held_out(i)]
+        texts = list(held_out_documents(source))
     else:
         texts = list(documents(source))
         if len(texts) == 1:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 
 from .errors import ConfigError, expected
 from .hf.sentence_config import sentence_embeddings
-from .text import documents, is_held_out
+from .text import held_out_documents
 
 # A first sentence shorter than this (a heading, a shebang, "Hi.") says too little to find its
 # passage by; one longer than MAX_QUERY_CHARS is no sentence (a list, a code block).
@@ -56,12 +57,7 @@ def pairs_from_texts(texts: list[str], count: int) -> list[tuple[str, str]]:
 
 def held_out_pairs(source: str, count: int) -> list[tuple[str, str]]:
     """Up to ``count`` pairs of the held-out documents of a data source (which training never reads)."""
-    passages = []
-    for index, text in enumerate(documents(source)):
-        if is_held_out(index):
-            passages.append(text)
-            if len(passages) == PASSAGES_PER_PAIR * count:
-                break
+    passages = list(islice(held_out_documents(source), PASSAGES_PER_PAIR * count))
     return pairs_from_texts(passages, count)
 
 

@@ -215,6 +215,11 @@ def training_documents(source: str) -> Iterator[str]:
     return (text for index, text in enumerate(documents(source)) if not is_held_out(index))
 
 
+def held_out_documents(source: str) -> Iterator[str]:
+    """The documents of a data source's held-out split: those training never reads."""
+    return (text for index, text in enumerate(documents(source)) if is_held_out(index))
+
+
 @dataclass(frozen=True)
 class Framing:
     """How a tokenizer's ids become blocks of ``seq_len``: encoders get [CLS] ... [SEP] around each
