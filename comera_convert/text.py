@@ -243,6 +243,10 @@ class Framing:
     def block(self, chunk: list[int]) -> torch.Tensor:
         return torch.tensor([self.cls_id] + chunk + [self.sep_id] if self.cls_id is not None else chunk)
 
+    @property
+    def wrapped(self) -> bool:
+        return self.cls_id is not None
+
 
 @dataclass
 class Sample:
@@ -379,6 +383,14 @@ class Blocks:
     # The first block of every training document read that fills one: a text from its start, as
     # a sentence encoder embeds it (the packed blocks start anywhere).
     starts: list[torch.Tensor] = field(default_factory=list)
+    wrapped: bool = True  # each block is [CLS] text [SEP] (an encoder's tokenizer)
+
+
+def shortened(block: torch.Tensor, tokens: int, wrapped: bool) -> torch.Tensor:
+    """A block cut to its first ``tokens`` ids of text, framed as the block was."""
+    if not wrapped:
+        return block[:tokens]
+    return torch.cat([block[:1 + tokens], block[-1:]]) if tokens < len(block) - 2 else block
 
 
 def pack(source: str, tokenizer, seq_len: int, max_train_blocks: int, max_held_out_blocks: int) -> Blocks:
@@ -422,4 +434,5 @@ def pack(source: str, tokenizer, seq_len: int, max_train_blocks: int, max_held_o
         cut = len(train) - max(1, len(train) // HELD_OUT_EVERY)
         train, held_out = train[:cut], train[cut:]
         starts = [(at, block) for at, block in starts if at < cut]  # none from the held-out text
-    return Blocks(train=train, held_out=held_out, starts=[block for _, block in starts])
+    return Blocks(train=train, held_out=held_out, starts=[block for _, block in starts],
+                  wrapped=framing.wrapped)

@@ -462,6 +462,78 @@ def test_document_starts_make_up_their_share_of_the_training_set(share):
     assert len(from_starts) / len(dataset) == pytest.approx(share, abs=0.05)
 
 
+@pytest.mark.parametrize("bad", [0, 33, 2.5, True])
+def test_a_start_length_outside_one_to_seq_len_is_refused(bad):
+    with pytest.raises(ConfigError, match=re.escape(f"expected start_min_tokens between 1 and seq_len (32) "
+                                                    f"(got {bad!r})")):
+        TrainOptions(seq_len=32, start_min_tokens=bad)
+
+
+def test_starts_cut_short_are_refused_with_compiled_fixed_shapes():
+    with pytest.raises(ConfigError, match="--start-min-tokens with --compile: .* need one shape"):
+        TrainOptions(start_min_tokens=8, compile=True)
+
+
+@pytest.mark.parametrize("wrapped", [True, False])
+def test_document_starts_cut_short_keep_their_text_from_the_start_and_their_framing(wrapped):
+    packed = [torch.arange(1000, 1016) for _ in range(40)]
+    text = list(range(1, 15 if wrapped else 17))
+    block = torch.tensor([101] + text + [102] if wrapped else text)
+    starts = [block.clone() for _ in range(5)]
+    dataset = with_document_starts(Blocks(train=packed, held_out=[], starts=starts, wrapped=wrapped), 0.5,
+                                   min_tokens=3, seed=1)
+    assert dataset[:40] == packed
+    cut = dataset[40:]
+    lengths = [len(b) - (2 if wrapped else 0) for b in cut]
+    assert min(lengths) >= 3 and max(lengths) <= len(text) and len(set(lengths)) > 3  # drawn, not one length
+    for b, length in zip(cut, lengths):
+        body = b[1:-1] if wrapped else b
+        assert body.tolist() == text[:length]  # the document's own first tokens
+        if wrapped:
+            assert (b[0].item(), b[-1].item()) == (101, 102)
+    again = with_document_starts(Blocks(train=packed, held_out=[], starts=starts, wrapped=wrapped), 0.5,
+                                 min_tokens=3, seed=1)
+    assert [b.tolist() for b in again] == [b.tolist() for b in dataset]  # a resumed run draws the same cuts
+
+
+def test_a_batch_of_cut_starts_is_padded_and_masked_so_that_each_text_is_seen_as_alone(tokenizer):
+    from transformers import BertConfig, BertModel
+
+    from comera_convert.training.objectives import BlockCollator, distill_loss
+
+    torch.manual_seed(0)
+    config = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                        vocab_size=tokenizer.vocab_size, max_position_embeddings=64)
+    student, teacher = BertModel(config).eval(), BertModel(config).eval()
+    long, short = (torch.tensor([101] + list(range(2000, 2000 + n)) + [102]) for n in (14, 5))
+    batch = BlockCollator("distill", tokenizer, 0.15)([{"input_ids": long}, {"input_ids": short}])
+    assert batch["attention_mask"].sum(dim=1).tolist() == [16, 7]
+    assert (batch["input_ids"][1, 7:] == tokenizer.pad_token_id).all()
+
+    def loss(inputs):
+        states = [m(**inputs, output_hidden_states=True).hidden_states for m in (student, teacher)]
+        return distill_loss(*states, inputs["attention_mask"])
+
+    alone = {"input_ids": short[None], "attention_mask": torch.ones(1, 7, dtype=torch.long)}
+    padded = {k: v[1:] for k, v in batch.items()}
+    with torch.no_grad():
+        assert loss(padded).item() == pytest.approx(loss(alone).item(), rel=1e-5)
+    labels = BlockCollator("mlm", tokenizer, 0.5)([{"input_ids": long, "index": 0},
+                                                  {"input_ids": short, "index": 1}])["labels"]
+    assert (labels[1, 7:] == -100).all()  # padding is never a masked-LM target
+
+
+def test_cut_starts_are_batched_by_length(tmp_path):
+    from comera_convert.training.run import training_arguments
+
+    grouped = TrainOptions(start_min_tokens=8).for_objective("distill", encoder=True)
+    whole = TrainOptions().for_objective("distill", encoder=True)
+    for options, strategy in ((grouped, "group_by_length"), (whole, "random")):
+        args = training_arguments(options, tmp_path)
+        assert getattr(args, "train_sampling_strategy", None) == strategy or \
+            getattr(args, "group_by_length", None) == (strategy == "group_by_length")
+
+
 def test_an_unknown_schedule_is_refused():
     with pytest.raises(ConfigError, match="lr_scheduler_type in .*'cosine'.*got 'step'"):
         TrainOptions(lr_scheduler_type="step")
@@ -776,7 +848,9 @@ def test_target_ratios_that_cannot_be_headed_for_are_refused(tmp_path, tokenizer
         train(str(path), options, tmp_path / "out")
 
 
-def test_auto_distills_an_encoder_without_an_lm_head_from_its_recorded_source(tmp_path, tokenizer, corpus):
+@pytest.mark.parametrize("start_min_tokens", [None, 4])  # whole document starts; starts cut short
+def test_auto_distills_an_encoder_without_an_lm_head_from_its_recorded_source(tmp_path, tokenizer, corpus,
+                                                                              start_min_tokens):
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(0)
@@ -787,7 +861,8 @@ def test_auto_distills_an_encoder_without_an_lm_head_from_its_recorded_source(tm
     comera_convert.convert(model, ratio=2, source=str(tmp_path / "dense"), word_embedding="tt")
     model.save_pretrained(tmp_path / "encoder")
     tokenizer.save_pretrained(tmp_path / "encoder")
-    options = TrainOptions(data=str(corpus), steps=12, seq_len=32, batch_size=4, max_eval_blocks=8, save_steps=12)
+    options = TrainOptions(data=str(corpus), steps=12, seq_len=32, batch_size=4, max_eval_blocks=8, save_steps=12,
+                           start_min_tokens=start_min_tokens)
     result = train(str(tmp_path / "encoder"), options, tmp_path / "out")
     assert result.objective == "distill"
     assert result.objective_note.startswith(f"objective auto: distill from {tmp_path / 'dense'} (BertModel has no "
@@ -795,8 +870,8 @@ def test_auto_distills_an_encoder_without_an_lm_head_from_its_recorded_source(tm
     # The distillation defaults, with no option set, lower the held-out distillation loss.
     assert result.held_out_after < result.held_out_before
     saved = json.loads((tmp_path / "out" / "comera_report.json").read_text())["extra"]["training"]["options"]
-    assert (saved["lr_cores"], saved["dropout"], saved["lr_scheduler_type"], saved["document_starts"]) == (
-        1e-3, 0.0, "cosine", 0.5)
+    assert (saved["lr_cores"], saved["dropout"], saved["lr_scheduler_type"], saved["document_starts"],
+            saved["start_min_tokens"]) == (1e-3, 0.0, "cosine", 0.5, start_min_tokens)
 
 
 def test_unset_options_take_their_objectives_defaults_and_set_ones_stay():

@@ -61,7 +61,7 @@ def _rich_progress_callback(total_steps: int, tokens_per_step: int, minutes: flo
 OPTION_NAMES = ["objective", "data", "steps", "minutes", "seq_len", "batch_size", "gradient_accumulation_steps",
                 "lr_cores", "lr_gates", "lr_rest", "beta", "tau", "rank_multiple", "early_steps", "target_ratio",
                 "teacher", "logging_steps", "save_steps", "seed", "warmup_steps", "lr_scheduler_type", "dropout",
-                "document_starts", "gradient_checkpointing", "bf16", "compile", "fsdp"]
+                "document_starts", "start_min_tokens", "gradient_checkpointing", "bf16", "compile", "fsdp"]
 
 
 @main.command()
@@ -103,6 +103,9 @@ OPTION_NAMES = ["objective", "data", "steps", "minutes", "seq_len", "batch_size"
 @click.option("--document-starts", type=float, default=None,
               help="Share of training draws that are a document's first block [default: 0, packed blocks "
                    "only; 0.5 to distill a sentence encoder].")
+@click.option("--start-min-tokens", type=int, default=None,
+              help="Cut each drawn document start to its first k tokens, k log-uniform from this to the "
+                   "block's length (short texts, as an encoder embeds them) [default: whole blocks].")
 @click.option("--gradient-checkpointing", is_flag=True, default=None,
               help="Recompute each layer's activations in backward: less memory, more compute.")
 @click.option("--seed", type=int, default=None)

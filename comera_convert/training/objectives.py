@@ -73,6 +73,7 @@ class BlockCollator:
 
     def __init__(self, objective: str, tokenizer, mlm_probability: float, seed: int = 0):
         self.objective, self.probability, self.seed = objective, mlm_probability, seed
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.mask_id, self.vocab = tokenizer.mask_token_id, len(tokenizer)
         self.special = set(tokenizer.all_special_ids)
         if objective == "mlm" and self.mask_id is None:
@@ -90,15 +91,26 @@ class BlockCollator:
         return masked, labels
 
     def __call__(self, examples: list[dict]) -> dict:
-        ids = torch.stack([e["input_ids"] for e in examples])
-        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        blocks = [e["input_ids"] for e in examples]
         if self.objective == "mlm":
             pairs = [self._mask(e["input_ids"], int(e.get("index", i))) for i, e in enumerate(examples)]
-            batch["input_ids"] = torch.stack([p[0] for p in pairs])
-            batch["labels"] = torch.stack([p[1] for p in pairs])
-        elif self.objective == "clm":
-            batch["labels"] = ids.clone()  # the model shifts them
+            return {"input_ids": _padded([p[0] for p in pairs], self.pad_id),
+                    "attention_mask": _mask_of(blocks), "labels": _padded([p[1] for p in pairs], -100)}
+        batch = {"input_ids": _padded(blocks, self.pad_id), "attention_mask": _mask_of(blocks)}
+        if self.objective == "clm":
+            batch["labels"] = _padded(blocks, -100)  # the model shifts them
         return batch
+
+
+def _padded(rows: list[torch.Tensor], value: int) -> torch.Tensor:
+    """Rows of different lengths (document starts cut short) right-padded with ``value``."""
+    if all(len(row) == len(rows[0]) for row in rows):
+        return torch.stack(rows)
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=value)
+
+
+def _mask_of(rows: list[torch.Tensor]) -> torch.Tensor:
+    return _padded([torch.ones_like(row) for row in rows], 0)
 
 
 def _relative_mse(student_hidden, teacher_hidden, weight) -> torch.Tensor:

@@ -91,6 +91,11 @@ class TrainOptions:
     # anywhere. 0 (packed blocks only) is pre-training's usual; distilling a sentence encoder
     # gains from matching how its texts begin (recipes/train-minilm-distill.yaml: 0.5). None: by objective.
     document_starts: float | None = None
+    # Cut each drawn document start to its first k tokens of text, k drawn log-uniformly between
+    # this and the block's text length (a fixed draw per copy), so that the student also matches
+    # the teacher on texts as short as those a sentence encoder embeds (queries of 5 to 20 tokens,
+    # descriptions of 20 to 120). None: every start is a whole block.
+    start_min_tokens: int | None = None
     # Every dropout probability of the model while it trains (its nn.Dropout modules, which BERT's
     # and GPT-2's attention also read, and Llama-style attention's float attention_dropout); None
     # keeps the model's own (0 to distill). The saved config keeps its own.
@@ -138,6 +143,13 @@ class TrainOptions:
             if self.target_ratio is not None:
                 raise ConfigError("--minutes with --target-ratio: the late stage that reaches the ratio is "
                                   "scheduled in steps; give --steps instead of --minutes")
+        start = self.start_min_tokens
+        if start is not None and (isinstance(start, bool) or not isinstance(start, int)
+                                  or not 1 <= start <= self.seq_len):
+            raise ConfigError(expected(f"start_min_tokens between 1 and seq_len ({self.seq_len})", start))
+        if start is not None and self.compile:
+            raise ConfigError("--start-min-tokens with --compile: starts cut short make batches of many "
+                              "lengths, and the compiled CUDA graphs need one shape (drop one of the two)")
         if self.dropout is not None:
             _check_share("dropout", self.dropout)
         if self.document_starts is not None:

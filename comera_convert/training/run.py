@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
+import random
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from ..errors import ComeraError, ConfigError, ModelLoadError
 from ..hf.config import compression_of
 from ..models import load_tokenizer, read_config, resolve
 from ..retrieval import held_out_pairs, model_retrieval
-from ..text import Blocks, pack
+from ..text import Blocks, pack, shortened
 from .attention import use_training_attention
 from .objectives import BlockCollator, pick_objective, resolve_objective, task_for, task_loss
 from .options import TrainOptions
@@ -166,6 +168,8 @@ def training_arguments(options: TrainOptions, output_dir: Path, **overrides):
         torch_compile=options.compile, torch_compile_mode="reduce-overhead" if options.compile else None,
         disable_tqdm=True, save_total_limit=2,
         **_checkpointing_arguments(TrainingArguments, options.gradient_checkpointing),
+        **_grouping_arguments(TrainingArguments, cut_starts=options.start_min_tokens is not None
+                              and bool(options.document_starts)),
         # Under torchrun on CPU, DDP and FSDP run over gloo (NCCL needs GPUs).
         ddp_backend="gloo" if not cuda and world_size() > 1 else None,
         # A model sharded before the Trainer saves its optimizer state itself (ComeraTrainer).
@@ -189,6 +193,18 @@ def bf16_warning(options: TrainOptions, cuda: bool) -> str | None:
         return ("bf16 on this CPU is emulated (no AVX512-BF16 or AMX): float32 trains faster here, "
                 "pass --no-bf16")
     return None
+
+
+def _grouping_arguments(arguments_class, cut_starts: bool) -> dict:
+    """Batches of blocks of like lengths (transformers' length-grouped sampler), so that document
+    starts cut short make short, cheap batches instead of padding beside whole blocks; under the
+    name this transformers takes (``group_by_length`` became ``train_sampling_strategy``)."""
+    if not cut_starts:
+        return {}
+    names = {f.name for f in fields(arguments_class)}
+    if "train_sampling_strategy" in names:
+        return {"train_sampling_strategy": "group_by_length"}
+    return {"group_by_length": True}
 
 
 def _checkpointing_arguments(arguments_class, enabled: bool) -> dict:
@@ -367,8 +383,9 @@ def _shard(session: Session, resume_from: str | None):
 def _trainer(session: Session, args, blocks: Blocks, collate, callbacks, sharding=None) -> ComeraTrainer:
     from transformers.trainer_callback import PrinterCallback
 
-    dataset = [{"input_ids": block, "index": i}
-               for i, block in enumerate(with_document_starts(blocks, session.options.document_starts))]
+    options = session.options
+    drawn = with_document_starts(blocks, options.document_starts, options.start_min_tokens, options.seed)
+    dataset = [{"input_ids": block, "index": i} for i, block in enumerate(drawn)]
     trainer = ComeraTrainer(model=session.model, args=args, train_dataset=dataset, data_collator=collate,
                             processing_class=session.tokenizer, comera_options=session.options,
                             controller=session.controller, objective=session.objective, teacher=session.teacher,
@@ -405,13 +422,26 @@ def _record(result: TrainResult, options: TrainOptions, cosines: bool) -> dict:
     return {**record, "options": options.to_dict()}
 
 
-def with_document_starts(blocks: Blocks, share: float) -> list[torch.Tensor]:
+def with_document_starts(blocks: Blocks, share: float, min_tokens: int | None = None,
+                         seed: int = 0) -> list[torch.Tensor]:
     """The packed training blocks, plus the documents' first blocks repeated so that they make up
-    ``share`` of the list (the Trainer draws uniformly from it)."""
+    ``share`` of the list (the Trainer draws uniformly from it); with ``min_tokens`` each copy is
+    cut to its first k tokens of text, k log-uniform between ``min_tokens`` and the whole block."""
     if not share or not blocks.starts:
         return blocks.train
     copies = max(1, round(share / (1 - share) * len(blocks.train) / len(blocks.starts)))
-    return blocks.train + blocks.starts * copies
+    starts = blocks.starts * copies
+    if min_tokens is not None:
+        draw = random.Random(seed)  # the same cuts on every run of a seed, so that --resume agrees
+        frame = 2 if blocks.wrapped else 0  # [CLS] and [SEP]
+        starts = [shortened(block, _log_uniform(draw, min_tokens, len(block) - frame), blocks.wrapped)
+                  for block in starts]
+    return blocks.train + starts
+
+
+def _log_uniform(draw: random.Random, low: int, high: int) -> int:
+    low = min(low, high)
+    return round(math.exp(draw.uniform(math.log(low), math.log(high))))
 
 
 def export(model, history: list[dict], out: Path, source: str, training: dict, command: str | None = None,
