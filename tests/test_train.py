@@ -534,6 +534,21 @@ def test_cut_starts_are_batched_by_length(tmp_path):
             getattr(args, "group_by_length", None) == (strategy == "group_by_length")
 
 
+@pytest.mark.parametrize("tokens_per_step,shown", [(1024, r"[45],\d{3} tok/s"), (None, r"[45]\.\d steps/s")])
+def test_the_progress_bar_counts_steps_where_steps_differ_in_tokens(tokens_per_step, shown):
+    import time
+    from types import SimpleNamespace
+
+    from comera_convert.cli.train_command import _rich_progress_callback
+
+    callback, seen = _rich_progress_callback(100, tokens_per_step), {}
+    callback.bar = SimpleNamespace(update=lambda task, **fields: seen.update(fields))
+    callback.task, callback.first_step = 0, 0
+    callback.start = time.perf_counter() - 2.0  # ten steps in two seconds
+    callback.on_log(None, SimpleNamespace(global_step=10), None, logs={"ratio": 4.0, "loss": 0.5})
+    assert re.search(rf"ratio 4\.00x  {shown}", seen["info"]), seen["info"]
+
+
 def test_an_unknown_schedule_is_refused():
     with pytest.raises(ConfigError, match="lr_scheduler_type in .*'cosine'.*got 'step'"):
         TrainOptions(lr_scheduler_type="step")

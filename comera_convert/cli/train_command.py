@@ -12,9 +12,10 @@ from .commands import command_line
 from .console import console, echo_json, progress_console, show_library_logs
 
 
-def _rich_progress_callback(total_steps: int, tokens_per_step: int, minutes: float | None = None):
+def _rich_progress_callback(total_steps: int, tokens_per_step: int | None, minutes: float | None = None):
     """A TrainerCallback drawing a rich progress bar with loss, ratio and tokens/s: over the steps, or
-    over the seconds of a --minutes budget."""
+    over the seconds of a --minutes budget. Steps/s instead where steps differ in tokens
+    (``tokens_per_step`` None: document starts cut short)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
     from transformers import TrainerCallback
 
@@ -42,9 +43,10 @@ def _rich_progress_callback(total_steps: int, tokens_per_step: int, minutes: flo
             if self.bar is None or not logs or "ratio" not in logs:
                 return
             elapsed = max(time.perf_counter() - self.start, 1e-9)
-            rate = (state.global_step - self.first_step) * tokens_per_step / elapsed
+            steps = (state.global_step - self.first_step) / elapsed
+            rate = f"{steps * tokens_per_step:,.0f} tok/s" if tokens_per_step else f"{steps:.1f} steps/s"
             info = (f"loss {logs.get('task_loss', logs.get('loss', float('nan'))):.3f}  "
-                    f"ratio {logs['ratio']:.2f}x  {rate:,.0f} tok/s  {logs.get('stage', '')}")
+                    f"ratio {logs['ratio']:.2f}x  {rate}  {logs.get('stage', '')}")
             self.bar.update(self.task, completed=self._done(state), info=info)
 
         def on_step_end(self, args, state, control, **kwargs):
@@ -129,6 +131,8 @@ def train(model, recipe, out, resume, overwrite, as_json, max_shard_size, **valu
     options = train_options(recipe, {k: values[k] for k in OPTION_NAMES})
     show_library_logs()  # what --objective auto picked, the stage switch, a missed target
     tokens = options.batch_size * options.gradient_accumulation_steps * options.seq_len
+    if options.start_min_tokens is not None:
+        tokens = None  # steps of cut starts read fewer tokens: the bar counts steps
     result = run_training(model, options, out, resume=resume, overwrite=overwrite,
                           callbacks=[_rich_progress_callback(options.steps, tokens, options.minutes)], command=command_line(),
                           max_shard_size=max_shard_size)
