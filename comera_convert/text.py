@@ -386,11 +386,16 @@ class Blocks:
     wrapped: bool = True  # each block is [CLS] text [SEP] (an encoder's tokenizer)
 
 
+def text_length(block: torch.Tensor, wrapped: bool) -> int:
+    """The ids of text in a block, without its [CLS] and [SEP]."""
+    return len(block) - 2 if wrapped else len(block)
+
+
 def shortened(block: torch.Tensor, tokens: int, wrapped: bool) -> torch.Tensor:
     """A block cut to its first ``tokens`` ids of text, framed as the block was."""
-    if not wrapped:
-        return block[:tokens]
-    return torch.cat([block[:1 + tokens], block[-1:]]) if tokens < len(block) - 2 else block
+    if tokens >= text_length(block, wrapped):
+        return block
+    return torch.cat([block[:1 + tokens], block[-1:]]) if wrapped else block[:tokens]
 
 
 def pack(source: str, tokenizer, seq_len: int, max_train_blocks: int, max_held_out_blocks: int) -> Blocks:

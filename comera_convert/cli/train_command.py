@@ -131,8 +131,8 @@ def train(model, recipe, out, resume, overwrite, as_json, max_shard_size, **valu
     options = train_options(recipe, {k: values[k] for k in OPTION_NAMES})
     show_library_logs()  # what --objective auto picked, the stage switch, a missed target
     tokens = options.batch_size * options.gradient_accumulation_steps * options.seq_len
-    if options.start_min_tokens is not None:
-        tokens = None  # steps of cut starts read fewer tokens: the bar counts steps
+    if options.cuts_starts:
+        tokens = None  # steps of cut starts read fewer tokens than whole blocks: the bar counts steps
     result = run_training(model, options, out, resume=resume, overwrite=overwrite,
                           callbacks=[_rich_progress_callback(options.steps, tokens, options.minutes)], command=command_line(),
                           max_shard_size=max_shard_size)

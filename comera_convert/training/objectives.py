@@ -103,9 +103,7 @@ class BlockCollator:
 
 
 def _padded(rows: list[torch.Tensor], value: int) -> torch.Tensor:
-    """Rows of different lengths (document starts cut short) right-padded with ``value``."""
-    if all(len(row) == len(rows[0]) for row in rows):
-        return torch.stack(rows)
+    """Rows right-padded with ``value`` to the longest (document starts cut short are shorter)."""
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=value)
 
 

@@ -173,6 +173,12 @@ class TrainOptions:
         return max(1, (2 * self.steps) // 3)
 
     @property
+    def cuts_starts(self) -> bool:
+        """Whether drawn document starts are cut short, so that blocks (and steps) differ in length
+        (an unset document_starts may still default to a share of them)."""
+        return self.start_min_tokens is not None and self.document_starts != 0
+
+    @property
     def resolved(self) -> bool:
         """Whether every field that defaults by objective is set (``for_objective`` sets them)."""
         return all(getattr(self, name) is not None for name in (*PRETRAINING_DEFAULTS, "early_steps"))

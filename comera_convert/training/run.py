@@ -22,7 +22,7 @@ from ..errors import ComeraError, ConfigError, ModelLoadError
 from ..hf.config import compression_of
 from ..models import load_tokenizer, read_config, resolve
 from ..retrieval import held_out_pairs, model_retrieval
-from ..text import Blocks, pack, shortened
+from ..text import Blocks, pack, shortened, text_length
 from .attention import use_training_attention
 from .objectives import BlockCollator, pick_objective, resolve_objective, task_for, task_loss
 from .options import TrainOptions
@@ -168,8 +168,7 @@ def training_arguments(options: TrainOptions, output_dir: Path, **overrides):
         torch_compile=options.compile, torch_compile_mode="reduce-overhead" if options.compile else None,
         disable_tqdm=True, save_total_limit=2,
         **_checkpointing_arguments(TrainingArguments, options.gradient_checkpointing),
-        **_grouping_arguments(TrainingArguments, cut_starts=options.start_min_tokens is not None
-                              and bool(options.document_starts)),
+        **_grouping_arguments(TrainingArguments, options.cuts_starts),
         # Under torchrun on CPU, DDP and FSDP run over gloo (NCCL needs GPUs).
         ddp_backend="gloo" if not cuda and world_size() > 1 else None,
         # A model sharded before the Trainer saves its optimizer state itself (ComeraTrainer).
@@ -433,8 +432,8 @@ def with_document_starts(blocks: Blocks, share: float, min_tokens: int | None = 
     starts = blocks.starts * copies
     if min_tokens is not None:
         draw = random.Random(seed)  # the same cuts on every run of a seed, so that --resume agrees
-        frame = 2 if blocks.wrapped else 0  # [CLS] and [SEP]
-        starts = [shortened(block, _log_uniform(draw, min_tokens, len(block) - frame), blocks.wrapped)
+        wrapped = blocks.wrapped
+        starts = [shortened(block, _log_uniform(draw, min_tokens, text_length(block, wrapped)), wrapped)
                   for block in starts]
     return blocks.train + starts
 
