@@ -26,8 +26,8 @@ from .hf.compat import mark_compressed, untie_converted_heads
 from .hf.config import ComeraConfig
 from .hf.loading import decompress_model, from_pretrained
 from .hf.saving import check_disk_space, check_output_dir, save_compressed, shard_kwargs, weight_bytes
-from .hf.sentence_config import check_modules
-from .models import load_model, resolve
+from .hf.sentence_config import check_modules, sentence_task
+from .models import load_model, read_config, resolve
 from .option_files import from_mapping
 from .progress import Progress, no_progress
 
@@ -89,7 +89,9 @@ def convert_checkpoint(model_name: str, out, options: ConvertOptions | None = No
     ``default_calibration``: the data to calibrate on when ``options`` names none (`comera convert`
     passes ``english``); a model without a tokenizer then converts by plain TT-SVD, as the
     result's ``notes`` say. Data named in ``options`` needs the tokenizer. ``command``: the command
-    line that asked for it, recorded in the report and the model card. ``progress`` hears of each
+    line that asked for it, recorded in the report and the model card. ``task`` picks the head
+    (``TASK_CLASSES``); by default the recorded architecture, or the encoder alone (AutoModel) for a
+    sentence-transformers folder, as sentence-transformers loads it. ``progress`` hears of each
     stage (loading, calibrating, each module converted, saving). ``max_shard_size`` splits the
     weights into shards of at most that size with an index, as ``save_pretrained`` does."""
     progress = progress or no_progress
@@ -98,8 +100,15 @@ def convert_checkpoint(model_name: str, out, options: ConvertOptions | None = No
     out = check_output_dir(out, overwrite)  # fail before the slow part
     path = resolve(model_name)
     check_modules(path)  # a sentence-transformers config that could never load
-    start = time.perf_counter()
     notes, tokenizer = [], None
+    if task is None:
+        task = sentence_task(path)  # a sentence-transformers folder converts as its encoder
+        heads = [a for a in read_config(path).get("architectures") or () if "For" in a] if task else []
+        if heads:
+            notes.append(f"{model_name} is a sentence-transformers model: converted as its encoder (AutoModel), "
+                         f"as sentence-transformers loads it, without the {heads[0]} head its config records "
+                         f"(--task keeps a head)")
+    start = time.perf_counter()
     if options.calibration is None and default_calibration is not None:
         tokenizer = _tokenizer_or_none(path)
         if tokenizer is not None:

@@ -50,3 +50,24 @@ def test_import_registers_the_loader_and_loads_nothing_else():
               "'comera_convert.api', 'matplotlib')))")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.stdout.split() == ["True", "False"], done.stderr[-2000:]
+
+
+def test_a_sentence_transformers_folder_converts_as_its_encoder(tmp_path):
+    import json
+
+    from comera_convert.api import convert_checkpoint
+
+    source = tmp_path / "st-mlm"
+    build("bert-mlm").save_pretrained(source)  # a sentence encoder whose config records a masked-LM head
+    (source / "modules.json").write_text(json.dumps(
+        [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}]))
+    result = convert_checkpoint(str(source), tmp_path / "encoder", ConvertOptions(ratio=3))
+    config = json.loads((tmp_path / "encoder" / "config.json").read_text())
+    assert config["architectures"] == ["BertModel"]  # as sentence-transformers loads it: AutoModel
+    assert not any("cls." in name for name in config["quantization_config"]["modules"])
+    assert any("sentence-transformers model: converted as its encoder" in note and "BertForMaskedLM" in note
+               for note in result.notes)
+    with_head = convert_checkpoint(str(source), tmp_path / "mlm", ConvertOptions(ratio=3), task="mlm")
+    config = json.loads((tmp_path / "mlm" / "config.json").read_text())
+    assert config["architectures"] == ["BertForMaskedLM"] and not with_head.notes
+    assert config["quantization_config"]["modules"]["cls.predictions.decoder"]["kind"] == "tied_head"

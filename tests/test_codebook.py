@@ -145,11 +145,45 @@ def test_the_codebook_table_spends_less_of_the_ratio_and_the_linears_get_the_res
     assert row.layout == "codebook" and row.tt_params == table.stored_params()
 
 
-def test_a_table_a_head_is_tied_to_stays_tt():
-    model = build("bert-mlm")
+# A tied BERT MLM decoder, GPT-2's tied lm_head, and an untied Llama head (a linear of its own).
+@pytest.mark.parametrize("case", ["bert-mlm", "gpt2-clm", "llama-clm"])
+def test_the_word_table_is_a_codebook_whatever_head_the_model_has(case, tmp_path):
+    model = build(case)
+    report = comera_convert.convert(model, ratio=3)
+    table, head = model.get_input_embeddings(), model.get_output_embeddings()
+    assert isinstance(table, CodebookEmbedding)
+    assert report.ratio >= 3 and count_params(model) == report.params_after
+    tied = model.config.tie_word_embeddings
+    assert isinstance(head, TiedTTHead) == tied and (head.embedding is table if tied else True)
+    hidden = torch.randn(2, 5, table.embedding_dim)
+    if tied:  # the head multiplies by the very rows the table looks up
+        bias = head.bias if head.bias is not None else 0
+        assert torch.allclose(head(hidden), hidden @ table.weight.t() + bias, atol=1e-5)
+    model.save_pretrained(tmp_path)
+    loaded = comera_convert.from_pretrained(tmp_path).eval()
+    assert isinstance(loaded.get_input_embeddings(), CodebookEmbedding)
+    assert isinstance(loaded.get_output_embeddings(), TiedTTHead) == tied
+    assert torch.equal(outputs(loaded), outputs(model))
+    dense = comera_convert.decompress_model(loaded)
+    assert torch.allclose(outputs(dense), outputs(model), atol=1e-5)
+
+
+def test_a_tied_codebook_head_trains_the_centres_and_builds_the_table_once_in_inference(monkeypatch):
+    model = build("gpt2-clm")
     comera_convert.convert(model, ratio=3)
-    assert isinstance(model.bert.embeddings.word_embeddings, TTEmbedding)
-    assert isinstance(model.cls.predictions.decoder, TiedTTHead)
+    table = model.get_input_embeddings()
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    model.train()(input_ids=ids, labels=ids).loss.backward()
+    assert table.codebooks.grad is not None and table.codebooks.grad.abs().sum() > 0
+    built = []
+    real = CodebookEmbedding.dense_matrix
+    monkeypatch.setattr(CodebookEmbedding, "dense_matrix", lambda self: built.append(1) or real(self))
+    model.eval()
+    with torch.no_grad():
+        first = model(input_ids=ids).logits
+        assert torch.equal(model(input_ids=ids).logits, first) and len(built) == 1  # cached, as generation needs
+        table.codebooks.mul_(2)  # an in-place write rebuilds it
+        assert not torch.allclose(model(input_ids=ids).logits, first) and len(built) == 2
 
 
 @pytest.mark.parametrize("case", ["bert", "llama-clm"])

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import comera_convert
-from comera_convert import TiedTTHead, TTEmbedding, TTLinear, TTModule
+from comera_convert import CodebookEmbedding, TiedTTHead, TTEmbedding, TTLinear, TTModule
 from comera_convert.conversion import count_params
 from comera_convert.errors import ConfigError, RatioError
 
@@ -33,17 +33,18 @@ def test_ratio_is_met_and_reported(case):
     assert all(row.tt_params < row.dense_params for row in report.modules if row.kind != "tied_head")
 
 
+@pytest.mark.parametrize("table", [TTEmbedding, CodebookEmbedding])
 @pytest.mark.parametrize("case", ["bert-mlm", "gpt2-clm", "distilbert-mlm", "roberta-mlm"])
-def test_tied_head_follows_its_embedding_without_copying_it(case):
+def test_tied_head_follows_its_embedding_without_copying_it(case, table):
     model = build(case)
     head = model.get_output_embeddings()
     head_name = next(n for n, m in model.named_modules() if m is head)
-    comera_convert.convert(model, ratio=3)
+    comera_convert.convert(model, ratio=3, word_embedding="tt" if table is TTEmbedding else "codebook")
     new_head = model.get_submodule(head_name)
     assert isinstance(new_head, TiedTTHead)
-    assert isinstance(new_head.embedding, TTEmbedding)
+    assert isinstance(new_head.embedding, table)
     assert new_head.embedding is model.get_input_embeddings()
-    assert not any(n.startswith(head_name + ".cores") for n, _ in model.named_parameters())
+    assert [n for n, _ in model.named_parameters() if n.startswith(head_name)] in ([], [f"{head_name}.bias"])
     batch = torch.randn(3, new_head.in_features)
     assert rel_err(new_head(batch) - (new_head.bias if new_head.bias is not None else 0),
                    batch @ new_head.embedding.dense_matrix().T) < 1e-5
@@ -54,7 +55,7 @@ def test_by_default_a_tied_head_trains_through_the_halves_never_the_table(case, 
     # Embeddings default to the tt layout, whose tied head contracts x R^T L^T; building the table
     # (or running the ttm head's slabs) would cost the dense head's GEMM again.
     model = build(case)
-    comera_convert.convert(model, ratio=3)
+    comera_convert.convert(model, ratio=3, word_embedding="tt")
     assert model.get_input_embeddings().layout == "tt"
 
     def refuse(*args, **kwargs):

@@ -64,7 +64,7 @@ def convert_modules(model: nn.Module, options: ConvertOptions, calibration: Cali
     if not candidates:
         raise ConfigError("no module to convert: every Linear and Embedding was excluded or is too small")
     choice = LayoutChoice(options.layout, options.embedding_layout, options.d, options.gates, options.rank_multiple,
-                          codebook_tables(model, candidates, tied, options), options.codebook_width)
+                          codebook_tables(model, candidates, options), options.codebook_width)
     allocation = _allocate(model, candidates, params_before, options, choice, calibration, progress)
     for candidate, spec in zip(candidates, allocation.specs):
         if spec is None:
@@ -89,17 +89,17 @@ def convert_modules(model: nn.Module, options: ConvertOptions, calibration: Cali
     return report
 
 
-def codebook_tables(model: nn.Module, candidates, tied, options: ConvertOptions) -> frozenset[str]:
-    """The candidates held as codebook tables: the input embedding when options ask for one and no
-    head is tied to it."""
+def codebook_tables(model: nn.Module, candidates, options: ConvertOptions) -> frozenset[str]:
+    """The candidates held as codebook tables: the input embedding when options ask for one. A head
+    tied to it (BERT's MLM decoder, GPT-2's lm_head) multiplies by the same dequantized rows
+    (``TiedTTHead``), so tied tables are codebooks too."""
     if options.word_embedding != "codebook":
         return frozenset()
     try:
         table = model.get_input_embeddings()
     except (AttributeError, NotImplementedError):
         return frozenset()
-    tied_to = {head.embedding_name for head in tied}
-    return frozenset(c.name for c in candidates if c.module is table and c.name not in tied_to)
+    return frozenset(c.name for c in candidates if c.module is table)
 
 
 def _allocate(model, candidates, params_before, options, choice, calibration, progress) -> Allocation:

@@ -100,8 +100,8 @@ class ConvertOptions:
     # Debian pairs: --ratio 4 TT table 0.72 / 0.52 / 0.73 / 0.74, codebook 0.84 / 0.57 / 0.84 / 0.80;
     # --ratio 2 TT table 0.84 / 0.71 / 0.86 / 0.84, codebook 0.94 / 0.86 / 0.96 / 0.97 (BENCHMARKS.md,
     # Conversion routes side by side). None: codebook with a --ratio (uniform allocation), tt with a
-    # fixed --rank (CoMERA's layout). A table a head is tied to (GPT-2's, BERT-MLM's) stays tt: the
-    # head runs on its cores.
+    # fixed --rank (CoMERA's layout). A head tied to the table (GPT-2's lm_head, BERT-MLM's decoder)
+    # multiplies by the same codebook rows.
     word_embedding: str | None = None
     # Columns per codebook slice. MiniLM at --ratio 4, recall@1 kept on english / code / man / Debian
     # (an early study that gave the linears less than the table saved): 0.80 / 0.52 / 0.79 / 0.76

@@ -1,6 +1,7 @@
 """A sentence-transformers checkpoint's module list (modules.json), read without loading the model.
 
-Two uses: a conversion refuses, before the slow part, a source whose modules.json is not a list
+Three uses: a sentence-transformers folder converts as its encoder (``sentence_task``), as
+sentence-transformers loads it; a conversion refuses, before the slow part, a source whose modules.json is not a list
 of modules or names a module class that does not exist (sentence-transformers would fail on the
 compressed checkpoint only when someone loads it); and `comera eval` pools token states the way
 the source's Pooling module says (mean, CLS, max, last token, mean times sqrt(length)).
@@ -47,6 +48,13 @@ def read_modules(directory) -> list[dict] | None:
                                                 and isinstance(m.get("path", ""), str) for m in modules):
         raise ConfigError(f"{path}: expected a list of modules, each with a \"type\" and a \"path\"")
     return modules
+
+
+def sentence_task(directory) -> str | None:
+    """"base" for a sentence-transformers folder (sentence-transformers loads its transformer with
+    AutoModel, whatever head the config records: a checkpoint saved from BertForMaskedLM embeds
+    sentences with BertModel), None for any other."""
+    return "base" if read_modules(directory) else None
 
 
 def check_modules(directory) -> None:

@@ -89,7 +89,43 @@ def placed_like(mask: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(mask, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
-class TTModule(nn.Module):
+class InferenceCache(nn.Module):
+    """A module that remembers what inference builds from its weights (merged TT halves, a table).
+
+    Subclasses say which tensors the cache depends on (``_stamped_tensors``)."""
+
+    def _stamped_tensors(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def cached(self, name: str, compute):
+        """``compute()``, remembered in inference: eval mode with autograd off. What it builds (the
+        merged halves, a table) does not depend on the input, so inference builds it once per state
+        of the weights; each entry is stamped with the storage and version counter of the
+        ``_stamped_tensors`` (cores, gates and buffers; codebooks and codes), so an
+        in-place write (load_state_dict, pruning, closing gates) rebuilds it. Leaving eval mode
+        (``train()``) drops the cache: training steps happen in train mode, and fused optimizer
+        kernels write parameters without bumping their version counters. (A fused optimizer step
+        taken in eval mode needs ``clear_cache()`` before the next inference.) With autograd on it is
+        always recomputed (the graph must reach the cores), and under torch.compile it is traced
+        into the graph (the stamps are host-side state a compiled graph cannot guard on cheaply)."""
+        if self.training or torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return compute()
+        stamp = tuple((t.data_ptr(), t._version) for t in self._stamped_tensors())
+        cache = self.__dict__.setdefault("_inference_cache", {})
+        if name not in cache or cache[name][0] != stamp:
+            cache[name] = (stamp, compute())
+        return cache[name][1]
+
+    def clear_cache(self) -> None:
+        """Forget what inference built (``cached``)."""
+        self.__dict__.pop("_inference_cache", None)
+
+    def train(self, mode: bool = True):
+        self.clear_cache()
+        return super().train(mode)
+
+
+class TTModule(InferenceCache):
     """Cores of a TT matrix with optional rank gates. Subclasses define ``forward``."""
 
     def _init_factors(self, spec: TTSpec, gates: bool, device=None, dtype=None) -> None:
@@ -134,33 +170,11 @@ class TTModule(nn.Module):
     def gated(self) -> bool:
         return self.gates is not None
 
-    def cached(self, name: str, compute):
-        """``compute()``, remembered in inference: eval mode with autograd off. The merged halves do
-        not depend on the input, so inference builds them once per state of the weights; each entry
-        is stamped with the storage and version counter of the cores, gates and buffers, so an
-        in-place write (load_state_dict, pruning, closing gates) rebuilds it. Leaving eval mode
-        (``train()``) drops the cache: training steps happen in train mode, and fused optimizer
-        kernels write parameters without bumping their version counters. (A fused optimizer step
-        taken in eval mode needs ``clear_cache()`` before the next inference.) With autograd on it is
-        always recomputed (the graph must reach the cores), and under torch.compile it is traced
-        into the graph (the stamps are host-side state a compiled graph cannot guard on cheaply)."""
-        if self.training or torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return compute()
+    def _stamped_tensors(self) -> list[torch.Tensor]:
+        """What the inference cache is stamped with: the cores, gates and buffers (read from their
+        registries: see ``listed``)."""
         buffers = [b for b in self._buffers.values() if b is not None]
-        tensors = listed(self.cores) + listed(self.gates) + buffers
-        stamp = tuple((t.data_ptr(), t._version) for t in tensors)
-        cache = self.__dict__.setdefault("_inference_cache", {})
-        if name not in cache or cache[name][0] != stamp:
-            cache[name] = (stamp, compute())
-        return cache[name][1]
-
-    def clear_cache(self) -> None:
-        """Forget what inference built (``cached``)."""
-        self.__dict__.pop("_inference_cache", None)
-
-    def train(self, mode: bool = True):
-        self.clear_cache()
-        return super().train(mode)
+        return listed(self.cores) + listed(self.gates) + buffers
 
     def gated_cores(self) -> list[torch.Tensor]:
         """The cores with the gates folded in: what the forward pass contracts."""

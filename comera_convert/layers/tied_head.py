@@ -2,8 +2,9 @@
 
 Language-model heads (BERT's decoder, GPT-2's lm_head) share their weight with the input
 embedding. When the embedding becomes a TTEmbedding the head keeps sharing it: it holds no cores
-of its own. Over a CodebookEmbedding (a base model loaded with a new LM head on top) it builds the
-table from the codes and centres each call, so the centres learn from the head too. Over a tt
+of its own. Over a CodebookEmbedding (the converter's default table, tied heads included) it
+multiplies by the table the codes and centres make, built each training step (the centres learn
+from the head too) and once per state of the weights in inference. Over a tt
 layout it runs the input through the embedding's two halves, transposed; over ttm it runs the
 embedding's table slab by slab in training (``tt/tied_logits.py``) and builds it once, cached, in
 inference.
@@ -36,7 +37,7 @@ class TiedTTHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embedding, CodebookEmbedding):
-            return torch.nn.functional.linear(x, self.embedding.dense_matrix(), self.bias)
+            return torch.nn.functional.linear(x, self.embedding.table(), self.bias)
         spec = self.embedding.spec
         if spec.layout == "tt":  # x R^T L^T + b through the cached (in eval) halves of the embedding
             left, right = self.embedding.halves(0)
