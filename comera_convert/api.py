@@ -21,7 +21,7 @@ from torch import nn
 
 from .conversion import Calibration, ConversionReport, ConvertOptions, calibrate, convert_modules
 from .conversion.report import lineage
-from .conversion.storage import cast_for_storage
+from .conversion.storage import cast_for_storage, integer_storage, round_in_place, storage_record
 from .hf.compat import mark_compressed, untie_converted_heads
 from .hf.config import ComeraConfig
 from .hf.loading import decompress_model, from_pretrained
@@ -53,8 +53,22 @@ def convert(model: nn.Module, options: ConvertOptions | None = None, *, calibrat
     report = convert_modules(model, options, calibration=calibration, progress=progress, source=source, load=load,
                              release=release)
     untie_converted_heads(model)
-    mark_compressed(model, ComeraConfig(source=source, dense_params=report.params_before))
+    fmt = integer_storage(options.dtype, options.group_size)
+    if fmt is not None:  # the layers left dense too: in memory the model is what its checkpoint holds
+        round_in_place(model, fmt)
+    storage = storage_record(options.dtype, options.group_size) if fmt is not None else None
+    mark_compressed(model, ComeraConfig(source=source, dense_params=report.params_before, storage=storage))
     return report
+
+
+def storage_name(options: ConvertOptions) -> str | None:
+    """How an integer-stored checkpoint's report names its storage ("int4, groups of 128"), or None."""
+    fmt = integer_storage(options.dtype, options.group_size)
+    if fmt is None:
+        return None
+    return fmt.name + (f", groups of {fmt.group_size}" if fmt.group_size else ", a scale per channel")
+
+
 
 
 def with_overrides(options: ConvertOptions | None, overrides: dict) -> ConvertOptions:
@@ -130,7 +144,7 @@ def convert_checkpoint(model_name: str, out, options: ConvertOptions | None = No
     calibrated = time.perf_counter()
     try:
         if streamed is not None:
-            streamed.open_spool(out, options.dtype)
+            streamed.open_spool(out, options.dtype, integer_storage(options.dtype, options.group_size))
         load, release = None, None
         if sequential is not None:
             load, release = sequential.prepare, sequential.release
@@ -146,7 +160,7 @@ def convert_checkpoint(model_name: str, out, options: ConvertOptions | None = No
             report.extra["streamed"] = True
         elif options.dtype is not None:
             cast_for_storage(model, options.dtype)
-        report.extra["storage_dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+        report.extra["storage_dtype"] = storage_name(options) or str(next(model.parameters()).dtype).removeprefix("torch.")
         report.extra["source_bytes"] = weight_bytes(path)
         report.extra.update(lineage(None, command))
         converted = time.perf_counter()

@@ -10,6 +10,7 @@ from .conversion.report import ConversionReport, read_report
 from .errors import ModelLoadError
 from .hf.checkpoint_check import read_header
 from .hf.config import compression_of
+from .hf.integer_storage import SCALE_SUFFIX
 from .hf.model_card import source_card
 from .models import read_config, resolve
 
@@ -53,11 +54,21 @@ FLOAT_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 
 def _stored_params(headers: list[dict]) -> int:
     """The parameters the files hold; a codebook table's one-byte codes count as the parameters they
-    weigh as much as (``CodebookSpec.stored_params``), as the conversion report counts them."""
-    tensors = [v for header in headers for k, v in header.items() if k != "__metadata__"]
-    element_size = next((FLOAT_BYTES[v["dtype"]] for v in tensors if v["dtype"] in FLOAT_BYTES), 1)
-    return sum(math.prod(v["shape"]) if v["dtype"] != "U8" else math.ceil(math.prod(v["shape"]) / element_size)
-               for v in tensors)
+    weigh as much as (``CodebookSpec.stored_params``), as the conversion report counts them. A factor
+    stored as integers (values with a ``<name>_scale`` beside them) counts its values, two a byte
+    for int4; its scales are storage, not parameters (``comera report`` shows the bytes)."""
+    tensors = {k: v for header in headers for k, v in header.items() if k != "__metadata__"}
+    scaled = {k.removesuffix(SCALE_SUFFIX) for k in tensors if k.endswith(SCALE_SUFFIX)}
+    element_size = next((FLOAT_BYTES[v["dtype"]] for k, v in tensors.items()
+                         if v["dtype"] in FLOAT_BYTES and k.removesuffix(SCALE_SUFFIX) not in scaled), 1)
+
+    def params(name: str, entry: dict) -> int:
+        count = math.prod(entry["shape"])
+        if name in scaled:
+            return 2 * count if entry["dtype"] == "U8" else count  # int4 packs two values a byte
+        return math.ceil(count / element_size) if entry["dtype"] == "U8" else count
+
+    return sum(params(k, v) for k, v in tensors.items() if k.removesuffix(SCALE_SUFFIX) not in scaled or k in scaled)
 
 
 def inspect_checkpoint(name: str) -> CheckpointInfo:

@@ -12,7 +12,7 @@ ROOT = Path(comera_convert.__file__).parent
 # Lowest first. A part may import its own layer and the layers below it.
 LAYERS = [
     {"errors", "progress", "option_files"},
-    {"tt", "codebook", "text"},
+    {"tt", "codebook", "integer", "text"},
     {"layers"},
     {"conversion"},
     {"hf", "models"},
@@ -21,7 +21,8 @@ LAYERS = [
     {"api", "checkpoint_info", "recipes"},
     {"bench", "cli", "__init__", "__main__"},
 ]
-WITHOUT_TRANSFORMERS = {"errors", "progress", "option_files", "tt", "codebook", "text", "layers", "conversion"}
+WITHOUT_TRANSFORMERS = {"errors", "progress", "option_files", "tt", "codebook", "integer", "text", "layers",
+                        "conversion"}
 
 
 def part_of(module: str) -> str:

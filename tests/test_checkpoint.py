@@ -8,7 +8,7 @@ import torch
 import transformers as tf
 
 import comera_convert
-from comera_convert import TiedTTHead, TTModule
+from comera_convert import CodebookEmbedding, TiedTTHead, TTModule
 from comera_convert.conversion import count_params
 from comera_convert.errors import ModelLoadError
 from comera_convert.hf.config import WEIGHTS_GUARD
@@ -87,7 +87,7 @@ def test_checkpoint_layout(tmp_path):
     assert config["transformers_weights"] == WEIGHTS_GUARD
     assert config["auto_map"]["AutoModelForMaskedLM"] == "comera_remote.BertForMaskedLM"
     records = config["quantization_config"]["modules"]
-    live = {n for n, m in model.named_modules() if isinstance(m, (TTModule, TiedTTHead))}
+    live = {n for n, m in model.named_modules() if isinstance(m, (TTModule, TiedTTHead, CodebookEmbedding))}
     assert set(records) == live
     report = json.loads((path / "comera_report.json").read_text())
     assert report["params_after"] == count_params(model)
@@ -245,7 +245,7 @@ def test_reordered_embedding_round_trips_and_needs_format_2(tmp_path):
     model = build("bert-mlm")
     batches = [torch.randint(0, 40, (8, 16)) for _ in range(4)]
     stats = collect(model, find_candidates(model)[0], batches, source="test")
-    comera_convert.convert(model, ratio=2, embedding_layout="tt", calibration=stats)
+    comera_convert.convert(model, ratio=2, embedding_layout="tt", word_embedding="tt", calibration=stats)
     assert model.bert.embeddings.word_embeddings.row_of_token is not None
     model.save_pretrained(tmp_path / "ordered")
     quantization = json.loads((tmp_path / "ordered" / "config.json").read_text())["quantization_config"]
@@ -255,8 +255,10 @@ def test_reordered_embedding_round_trips_and_needs_format_2(tmp_path):
     assert torch.equal(outputs(loaded), outputs(model.eval()))
     dense = comera_convert.decompress_model(loaded)
     assert rel_err(outputs(dense), outputs(model)) < 1e-5
-    _, plain = converted("bert-mlm", tmp_path)
-    assert json.loads((plain / "config.json").read_text())["quantization_config"]["version"] == 1
+    plain = build("bert-mlm")
+    comera_convert.convert(plain, ratio=2, word_embedding="tt")  # uncalibrated: token-id order
+    plain.save_pretrained(tmp_path / "plain")
+    assert json.loads((tmp_path / "plain" / "config.json").read_text())["quantization_config"]["version"] == 1
 
 
 @pytest.mark.parametrize("damage", ["repeated id", "another vocabulary's order"])

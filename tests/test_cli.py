@@ -66,6 +66,21 @@ def test_convert_report_decompress(dense_dir, tmp_path):
     assert "quantization_config" not in json.loads((dense / "config.json").read_text())
 
 
+def test_integer_storage_from_the_command_line_counts_parameters_and_bytes(dense_dir, tmp_path):
+    floats, ints = tmp_path / "f32", tmp_path / "int4"
+    assert run("convert", dense_dir, "--ratio", "3", "--out", floats).exit_code == 0
+    result = run("convert", dense_dir, "--ratio", "3", "--dtype", "int4", "--group-size", "8", "--out", ints)
+    assert result.exit_code == 0, result.output
+    assert "int4, groups of 8" in result.output
+    both = json.loads(run("report", floats, ints, "--compare", "--json").output)
+    assert both[0]["params"] == both[1]["params"]  # int4 values count as parameters, scales do not
+    assert both[1]["disk_bytes"] < 0.5 * both[0]["disk_bytes"]  # groups of 8: 6 bits a value with scales
+    assert "smaller on disk" in run("report", dense_dir, ints, "--compare").output
+    bad = run("convert", dense_dir, "--ratio", "3", "--dtype", "int4", "--group-size", "48", "--out", tmp_path / "x")
+    _one_line_error(bad, "group size 48 does not divide the width 128 of bert.embeddings.word_embeddings.codebooks")
+    assert not (tmp_path / "x").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
 def test_recipe_and_overrides(dense_dir, tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("rank: 4\nlayout: ttm\n")
@@ -124,8 +139,10 @@ def test_bad_input_is_one_line_and_non_zero(dense_dir, tmp_path):
          ["a fixed --rank 8 is used as given"]),
         (["convert", dense_dir, "--calibration", "english", "--no-calibration", "--out", tmp_path / "o11"],
          ["--calibration DATA or --no-calibration, not both"]),
-        (["convert", dense_dir, "--dtype", "int8", "--out", tmp_path / "o12"],
-         ["'int8' is not a storage dtype", "float32, bfloat16, float16"]),
+        (["convert", dense_dir, "--dtype", "int3", "--out", tmp_path / "o12"],
+         ["'int3' is not a storage dtype", "float32, bfloat16, float16, int8, int4"]),
+        (["convert", dense_dir, "--dtype", "bfloat16", "--group-size", "64", "--out", tmp_path / "o14"],
+         ["--group-size applies to integer storage"]),
         (["convert", dense_dir, "--calibration", "englsh", "--out", tmp_path / "o13"],
          ["not a built-in corpus", "did you mean 'english'"]),
     ]
@@ -203,7 +220,8 @@ def test_convert_with_calibration_records_it(dense_dir, tmp_path):
     assert report["extra"]["calibration"].startswith("16 sequences (1024 tokens)")  # 64 = the model's max positions
     assert report["extra"]["calibration"].endswith("token frequencies from 3000 tokens")  # all the text
     assert report["extra"]["allocation"].startswith("uniform")
-    assert {m["layout"] for m in report["modules"] if m["kind"] == "embedding"} == {"tt"}
+    layouts = {m["name"].split(".")[-1]: m["layout"] for m in report["modules"] if m["kind"] == "embedding"}
+    assert layouts["word_embeddings"] == "codebook" and layouts["position_embeddings"] == "tt"  # its head is tied
     assert comera_convert.from_pretrained(out).config.quantization_config.modules
     # The built-in english corpus is all [UNK] to this tokenizer: refused, not calibrated on.
     _one_line_error(run("convert", dense_dir, "--ratio", "2", "--calibration", "english",
@@ -245,7 +263,7 @@ def test_bfloat16_storage_halves_the_checkpoint_and_loads_equal(dense_dir, tmp_p
     sizes = {d: (tmp_path / d / "model.safetensors").stat().st_size for d in ("float32", "bfloat16")}
     assert 1.7 < sizes["float32"] / sizes["bfloat16"] <= 2  # less than 2: the header does not halve
     with safe_open(tmp_path / "bfloat16" / "model.safetensors", "pt") as f:
-        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+        assert {f.get_slice(k).get_dtype() for k in f.keys() if not k.endswith(".codes")} == {"BF16"}
     high = comera_convert.from_pretrained(tmp_path / "float32").eval()
     low = comera_convert.from_pretrained(tmp_path / "bfloat16").eval()
     assert next(low.parameters()).dtype == torch.bfloat16

@@ -389,12 +389,12 @@ def test_the_layers_left_dense_are_read_and_written_out_one_at_a_time(tmp_path, 
     real = spool.WeightSpool.spill
     held = []
 
-    def watched(self, model, module_name=""):
+    def watched(self, model, module_name="", stored=None):
         # Whenever a module is written out, no other dense linear layer is in memory beside it.
         dense = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and not m.weight.is_meta
                  and n != module_name]
         held.append(dense)
-        real(self, model, module_name)
+        real(self, model, module_name, stored)
 
     monkeypatch.setattr(spool.WeightSpool, "spill", watched)
     result = convert_checkpoint(str(tmp_path / "dense"), tmp_path / "tt", ConvertOptions(ratio=2),

@@ -49,7 +49,10 @@ def corpus(tmp_path):
     return folder
 
 
-def compressed(tmp_path, tokenizer, case="bert-mlm", ratio=2.5, gates=True, name="tt"):
+def compressed(tmp_path, tokenizer, case="bert-mlm", ratio=2.5, gates=True, name="tt", dtype=None,
+               word_embedding="tt"):
+    """A tiny compressed checkpoint with the MiniLM tokenizer. Its linears are too small to compress,
+    so the word table is kept TT by default: the rank adaptation under test needs TT layers."""
     from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
                               LlamaForCausalLM)
 
@@ -68,7 +71,8 @@ def compressed(tmp_path, tokenizer, case="bert-mlm", ratio=2.5, gates=True, name
                                            n_positions=64, bos_token_id=0, eos_token_id=0))
     source = tmp_path / f"{name}-dense"
     model.save_pretrained(source)
-    comera_convert.convert(model, ratio=ratio, gates=gates, source=str(source))
+    comera_convert.convert(model, ratio=ratio, gates=gates, source=str(source), dtype=dtype,
+                           word_embedding=word_embedding)
     path = tmp_path / name
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -574,6 +578,27 @@ def assert_trained_alike(first, second, atol: float) -> None:
         assert torch.allclose(a[key], b[key], atol=atol), key
     stages = [[h["stage"] for h in json.loads((run / "comera_history.json").read_text())] for run in (first, second)]
     assert stages[0] == stages[1]
+
+
+def test_training_from_an_integer_checkpoint_exports_integers_and_checkpoints_floats(tmp_path, tokenizer, corpus):
+    from safetensors import safe_open
+
+    path = compressed(tmp_path, tokenizer, dtype="int8")
+    result = train(str(path), TrainOptions(objective="mlm", data=str(corpus), **FAST), tmp_path / "out")
+    assert result.held_out_after < result.held_out_before
+
+    def stored(folder):
+        with safe_open(folder / "model.safetensors", "pt") as f:
+            return {k: f.get_slice(k).get_dtype() for k in f.keys()}
+
+    exported, checkpoint = stored(tmp_path / "out"), stored(tmp_path / "out" / "checkpoints" / "checkpoint-12")
+    cores = [k for k in checkpoint if ".cores." in k]
+    assert cores and all(exported[k] == "I8" and exported[f"{k}_scale"] == "F16" for k in cores)
+    assert all(checkpoint[k] == "F32" for k in cores) and not any(k.endswith("_scale") for k in checkpoint)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert config["storage"]["format"] == "int8"
+    trained = comera_convert.from_pretrained(tmp_path / "out")
+    assert all(p.dtype == torch.float32 for p in trained.parameters())
 
 
 @pytest.mark.parametrize("target", [None, 4.0])

@@ -66,7 +66,11 @@ def _default_out(model: str, ratio, rank) -> str:
               help="Round the ranks --ratio chooses down to multiples of this; 8 for faster bf16 on GPUs "
                    "[default: 1].")
 @click.option("--dtype", default=None, metavar="DTYPE",
-              help="Store the checkpoint in float32, bfloat16 or float16 [default: the source's].")
+              help="Store the checkpoint in float32, bfloat16 or float16, or its factors as int8 (a scale per "
+                   "channel) or int4 (a scale per group) [default: the source's].")
+@click.option("--group-size", type=int, default=None, metavar="N",
+              help="Integer storage: a scale per N values of a channel (N must divide every width) "
+                   "[default: int8 per channel, int4 128].")
 @click.option("--device", default=None, metavar="DEVICE",
               help="Run the decompositions on DEVICE (cuda, cuda:1); reading and writing stay on the host "
                    "[default: where the weights are].")
@@ -80,7 +84,7 @@ def _default_out(model: str, ratio, rank) -> str:
               help="Split the weights into files of at most SIZE (e.g. 2GB), with an index [default: 50GB].")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of tables.")
 def convert(model, ratio, rank, layout, embedding_layout, word_embedding, d, targets, exclude, no_gates, calibration,
-            no_calibration, calibration_sequences, compensate, allocation, rank_multiple, dtype, device, recipe,
+            no_calibration, calibration_sequences, compensate, allocation, rank_multiple, dtype, group_size, device, recipe,
             task, out, overwrite, max_shard_size, as_json):
     """Convert MODEL (directory, hub id or alias such as minilm, bert-base) to a TT checkpoint."""
     from ..recipes import convert_options
@@ -92,7 +96,7 @@ def convert(model, ratio, rank, layout, embedding_layout, word_embedding, d, tar
                  "gates": False if no_gates else None, "calibration": calibration,
                  "calibration_sequences": calibration_sequences, "allocation": allocation,
                  "compensate": compensate,
-                 "rank_multiple": rank_multiple, "dtype": dtype, "device": device}
+                 "rank_multiple": rank_multiple, "dtype": dtype, "group_size": group_size, "device": device}
     options = convert_options(recipe, overrides)
     if no_calibration:
         if calibration:

@@ -133,6 +133,7 @@ def compare_table(infos, width: int) -> Table:
             "parameters": [f"{i.params:,}" for i in infos],
             f"ratio vs {Path(base.name.rstrip('/')).name or base.name}": [f"{base.params / max(i.params, 1):.2f}x" for i in infos],
             "on disk": [human_bytes(i.disk_bytes) for i in infos],
+            "smaller on disk": [f"{base.disk_bytes / max(i.disk_bytes, 1):.2f}x" for i in infos],
             "converted modules": [str(len(i.report.modules)) if i.report else "-" for i in infos]}
     card_facts = [dict(facts(i.report, None, i.licence, quote=str)) if i.report else {"licence (of the source)":
                   i.licence or "not stated"} for i in infos]

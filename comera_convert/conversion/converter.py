@@ -23,6 +23,7 @@ from .calibration import Calibration, correct_bias, weighted_decomposer
 from .options import ConvertOptions
 from .records import tie_head
 from .report import ConversionReport, describe
+from .storage import integer_storage, round_in_place
 from .strategies import STRATEGIES, Allocation, AllocationRequest
 from .targets import find_candidates
 
@@ -139,6 +140,7 @@ def swap_in(model: nn.Module, candidates, specs, options: ConvertOptions, calibr
         if isinstance(spec, CodebookSpec):
             new = CodebookEmbedding.from_embedding(candidate.module, spec.subspaces, spec.codewords,
                                                    device=options.device)
+            _round_for_storage(new, options, candidate.name)
         else:
             new = _tt_module(candidate, spec, options, calibration)
         set_submodule(model, candidate.name, new)
@@ -159,9 +161,20 @@ def _tt_module(candidate, spec, options: ConvertOptions, calibration: Calibratio
         kwargs["decompose"] = decompose
     if candidate.kind == "embedding":
         order = calibration.token_order(candidate.name) if calibration is not None else None
-        return TTEmbedding.from_embedding(candidate.module, row_modes=spec.row_modes,
-                                          col_modes=spec.col_modes, token_order=order, **kwargs)
+        table = TTEmbedding.from_embedding(candidate.module, row_modes=spec.row_modes,
+                                           col_modes=spec.col_modes, token_order=order, **kwargs)
+        _round_for_storage(table, options, candidate.name)
+        return table
     new = TTLinear.from_linear(candidate.module, in_modes=spec.row_modes, out_modes=spec.col_modes, **kwargs)
+    _round_for_storage(new, options, candidate.name)
     if calibration is not None:
         correct_bias(new, dense_weight_of(candidate.module)[0], candidate.name, calibration)
     return new
+
+
+def _round_for_storage(module: nn.Module, options: ConvertOptions, name: str) -> None:
+    """With integer storage, the new module's factors rounded now (``round_in_place``): the bias
+    correction and the layers compensated after it see what the checkpoint will hold."""
+    fmt = integer_storage(options.dtype, options.group_size)
+    if fmt is not None:
+        round_in_place(module, fmt, name)

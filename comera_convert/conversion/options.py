@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from ..errors import ConfigError, expected
 from ..option_files import from_mapping
 from ..tt.spec import LAYOUTS
-from .storage import storage_dtype
+from .storage import check_storage
 
 ALLOCATIONS = ("uniform", "measured", "sensitivity")
 # From this ratio on, two modes per side are the default. all-MiniLM-L6-v2 calibrated on english,
@@ -108,8 +108,11 @@ class ConvertOptions:
     # at 4, 0.77 / 0.52 / 0.79 / 0.75 at 3, 0.76 / 0.62 / 0.76 / 0.75 at 8.
     codebook_width: int = 4
     # The dtype the checkpoint stores its tensors in (float32, bfloat16, float16); None keeps the
-    # source's. bfloat16 halves a float32 checkpoint (conversion/storage.py).
+    # source's. bfloat16 halves a float32 checkpoint. int8 and int4 store every factor and dense
+    # matrix as integers with float16 scales, a scale per channel (int8) or per group_size values
+    # of a channel (int4: 128 unless given), read back as floats (conversion/storage.py).
     dtype: str | None = None
+    group_size: int | None = None
     # Where the decompositions run ("cuda", "cuda:1", "cpu"); None: where each layer's weight is.
     # The TT layers come back to the weight's device, so a streamed conversion reads and writes on
     # the host while a GPU does the arithmetic.
@@ -170,7 +173,9 @@ class ConvertOptions:
         if not isinstance(self.compensate, bool):
             raise ConfigError(expected("compensate as true or false", self.compensate))
         if self.dtype is not None:
-            storage_dtype(self.dtype)
+            check_storage(self.dtype, self.group_size)
+        elif self.group_size is not None:
+            raise ConfigError("--group-size applies to integer storage: give --dtype int8 or int4 with it")
         if self.device is not None:
             check_device(self.device)
         scale = self.embedding_rank_scale

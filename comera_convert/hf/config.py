@@ -17,7 +17,10 @@ QUANT_METHOD = "comera"
 # Bump when the record format changes; older versions must keep loading. 2: embeddings may hold
 # their rows in another order than the token ids ("reordered", with a row_of_token tensor). 3: an
 # embedding may be a product-quantized table ("codebook_embedding", with codebooks and codes tensors).
-FORMAT_VERSION = 3
+# 4: factors may be stored as integers ("storage": {"format": "int8" | "int4", "group_size": ...},
+# each such tensor as values and a ``<name>_scale`` tensor; hf/integer_storage.py).
+FORMAT_VERSION = 4
+INTEGER_STORAGE_VERSION = 4
 # config.json names this file as the model's weights. It does not exist: a transformers that does
 # not know comera_convert stops on it with this instruction, instead of loading a dense model
 # with random weights. comera_convert's quantizer points transformers at model.safetensors.
@@ -34,7 +37,8 @@ def compression_of(config: dict) -> dict | None:
 
 class ComeraConfig(QuantizationConfigMixin):
     def __init__(self, modules: dict | None = None, version: int = FORMAT_VERSION, source: str | None = None,
-                 dense_params: int | None = None, quant_method: str = QUANT_METHOD, **kwargs):
+                 dense_params: int | None = None, quant_method: str = QUANT_METHOD, storage: dict | None = None,
+                 **kwargs):
         if quant_method != QUANT_METHOD:
             raise ModelLoadError(expected(f"quant_method {QUANT_METHOD!r}", quant_method))
         if not isinstance(version, int) or version > FORMAT_VERSION:
@@ -45,7 +49,27 @@ class ComeraConfig(QuantizationConfigMixin):
         self.source = source
         self.dense_params = dense_params  # the source model's parameter count, for ratios
         self.modules = dict(modules or {})
+        # How the factors are written: None (in the model's float dtype) or an integer format,
+        # {"format": "int8" | "int4", "group_size": None | int} (``integer_format``).
+        self.storage = dict(storage) if storage else None
+        if self.storage is not None:
+            self.integer_format()  # refuse a record this release cannot read, in one line
         self._model = None
+
+    def integer_format(self):
+        """The IntegerFormat the factors are stored in, or None for float storage."""
+        from ..conversion.storage import INTEGER_BITS, integer_format
+
+        if self.storage is None:
+            return None
+        name = self.storage.get("format")
+        if name not in INTEGER_BITS:
+            raise ModelLoadError(f"this checkpoint stores its factors as {name!r}, which this comera_convert "
+                                 f"cannot read (it reads {' and '.join(INTEGER_BITS)}): upgrade comera-convert")
+        try:
+            return integer_format(name, self.storage.get("group_size"))
+        except ValueError as err:
+            raise ModelLoadError(f"the checkpoint's integer storage record is not valid: {err}") from None
 
     def attach(self, model) -> None:
         """Follow a live model, so the saved records carry its current (possibly pruned) ranks."""
@@ -57,8 +81,12 @@ class ComeraConfig(QuantizationConfigMixin):
         model = self._model() if self._model is not None else None
         modules = records_of(model) if model is not None else self.modules
         # The version the records need, so that checkpoints older readers can load keep loading there.
-        return {"quant_method": self.quant_method, "version": format_version(modules), "source": self.source,
+        version = INTEGER_STORAGE_VERSION if self.storage else format_version(modules)
+        data = {"quant_method": self.quant_method, "version": version, "source": self.source,
                 "dense_params": self.dense_params, "modules": copy.deepcopy(modules)}
+        if self.storage:
+            data["storage"] = dict(self.storage)
+        return data
 
     def __iter__(self):
         yield from self.to_dict().items()
@@ -67,3 +95,9 @@ class ComeraConfig(QuantizationConfigMixin):
         clone = ComeraConfig(**{k: v for k, v in self.to_dict().items()})
         clone._model = self._model
         return clone
+
+
+def integer_format_of(model):
+    """The IntegerFormat a compressed model's checkpoints store its factors in, or None (floats)."""
+    config = getattr(getattr(model, "config", None), "quantization_config", None)
+    return config.integer_format() if isinstance(config, ComeraConfig) else None

@@ -3,7 +3,8 @@
 Registered as quantization method "comera" on ``import comera_convert``. Before transformers
 loads the weights, it swaps the skeleton's dense modules for TT modules of the recorded shapes
 (after checking the checkpoint's tensors agree with the records), so ``model.safetensors`` loads
-straight into the cores. The model stays trainable: ``Trainer`` accepts it.
+straight into the cores; an integer checkpoint's factors load into integer buffers and become
+float parameters after (``integer_storage.py``). The model stays trainable: ``Trainer`` accepts it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from ..conversion.records import build_from_records, tie_heads_to_converted_embe
 from .checkpoint_check import check_codes, check_row_orders, check_tensors_match
 from .compat import mark_compressed, register_quantization_method, untie_converted_heads
 from .config import QUANT_METHOD, WEIGHTS_GUARD, ComeraConfig
+from .integer_storage import IntegerLoading
 
 
 class ComeraQuantizer(HfQuantizer):
@@ -22,6 +24,7 @@ class ComeraQuantizer(HfQuantizer):
     def __init__(self, quantization_config, **kwargs):
         super().__init__(quantization_config, **kwargs)
         self._dtype = None
+        self._integers = None  # an integer checkpoint's parameters, read as integers, restored after
 
     @staticmethod
     def _past_the_guard(config):
@@ -52,11 +55,18 @@ class ComeraQuantizer(HfQuantizer):
         build_from_records(model, records, dtype=self._dtype or first.dtype, device=first.device)
         tie_heads_to_converted_embeddings(model)
         untie_converted_heads(model)
+        fmt = self.quantization_config.integer_format()
+        if checkpoint_files and fmt is not None:
+            self._integers = IntegerLoading(fmt)
+            self._integers.prepare(model, checkpoint_files)
         if checkpoint_files:
             check_tensors_match(model, checkpoint_files)
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
+        if self._integers is not None:
+            self._integers.restore()
+            self._integers = None
         check_row_orders(model)
         check_codes(model)
         mark_compressed(model, self.quantization_config)

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import ConfigError, expected
-from .config import WEIGHTS_GUARD
+from .config import WEIGHTS_GUARD, integer_format_of
 
 REMOTE_MODULE = "comera_remote"
 # Auto classes a checkpoint can be opened with, by the transformers mapping that lists them.
@@ -180,7 +180,8 @@ def atomic_directory(out: Path, replace_dir: bool):
 
 
 def save_compressed(model, out: str | os.PathLike, *, report=None, source=None,
-                    overwrite: bool = True, replace_dir: bool = False, write_weights=None, **save_kwargs) -> Path:
+                    overwrite: bool = True, replace_dir: bool = False, write_weights=None, integers: bool = True,
+                    **save_kwargs) -> Path:
     """Write ``model`` (converted) as a compressed checkpoint directory; returns its path.
 
     ``report`` defaults to a fresh description of the model as it is now (ranks after training).
@@ -188,13 +189,20 @@ def save_compressed(model, out: str | os.PathLike, *, report=None, source=None,
     model card goes below the new one. Without it (``model.save_pretrained``, Trainer checkpoints)
     only the card of the directory the model was loaded from is kept, below the new one.
     ``write_weights(directory)``, when given, writes config and weights instead of ``save_pretrained``
-    (a streamed conversion's spool: ``spool.py``).
+    (a streamed conversion's spool: ``spool.py``). A model whose config records integer storage is
+    written with its factors rounded to it (``integer_storage.py``), unless ``integers`` is False
+    (training checkpoints keep the floats they resume from).
     """
     from ..conversion.report import REPORT_FILE, describe
     from .carry import carry_files
+    from .integer_storage import write_integer_checkpoint
     from .model_card import source_card, write_model_card
 
     out = check_output_dir(out, overwrite)
+    fmt = integer_format_of(model) if integers else None
+    if write_weights is None and fmt is not None:
+        def write_weights(directory):  # save_pretrained's other options do not apply to these files
+            write_integer_checkpoint(model, directory, fmt, save_kwargs.get("max_shard_size", "50GB"))
     with atomic_directory(out, replace_dir) as tmp:
         if write_weights is None:
             type(model).save_pretrained(model, tmp, **save_kwargs)

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from .compat import saved_tensor_names
+from .integer_storage import with_scales
 from .streaming import INDEX_FILE, SAFETENSORS_DTYPES
 
 DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
@@ -45,15 +46,19 @@ class WeightSpool:
         self.handle = self.path.open("w+b")
         self.entries: dict[str, Spooled] = {}
 
-    def spill(self, model: nn.Module, module_name: str = "") -> None:
+    def spill(self, model: nn.Module, module_name: str = "", stored=None) -> None:
         """Write every tensor of ``model``'s submodule ``module_name`` (the whole model for "") that
-        is not on the meta device to the spool, then move the module to the meta device."""
+        is not on the meta device to the spool, then move the module to the meta device.
+        ``stored(name, tensor)``, when given, says what to write for each tensor ({name: tensor}:
+        integer storage writes values and scales)."""
         module = model.get_submodule(module_name)
         prefix = f"{module_name}." if module_name else ""
         for local_name, tensor in module.state_dict(keep_vars=True).items():
-            if tensor.is_meta or f"{prefix}{local_name}" in self.entries:
+            name = f"{prefix}{local_name}"
+            if tensor.is_meta or name in self.entries:
                 continue
-            self._write(f"{prefix}{local_name}", tensor.detach())
+            for entry, value in (stored(name, tensor.detach()) if stored else {name: tensor.detach()}).items():
+                self._write(entry, value)
         to_meta(module)
 
     def _write(self, name: str, tensor: torch.Tensor) -> None:
@@ -79,6 +84,7 @@ class WeightSpool:
         unspooled = [n for n in names if n not in self.entries]
         if unspooled:
             raise RuntimeError(f"the spool lacks {', '.join(unspooled[:3])}: spill every module before writing")
+        names = with_scales(names, self.entries)  # an integer tensor's scales follow it
         split = split_state_dict_into_shards_factory(
             {name: self.entries[name] for name in names}, get_storage_size=lambda entry: entry.nbytes,
             filename_pattern=SHARD_PATTERN, max_shard_size=max_shard_size)
@@ -86,10 +92,7 @@ class WeightSpool:
         self.handle.flush()
         for filename, tensor_names in split.filename_to_tensors.items():
             self._write_shard(directory / filename, tensor_names)
-        if split.is_sharded:  # else the one file is model.safetensors, as save_pretrained names it
-            index = {"metadata": {"total_parameters": model.num_parameters(), **split.metadata},
-                     "weight_map": split.tensor_to_filename}
-            (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        write_index(model, directory, split)
 
     def _write_shard(self, path: Path, names: list[str]) -> None:
         # Widest elements first, as safetensors orders them, so every tensor starts aligned.
@@ -141,6 +144,15 @@ def replace_tensors(module: nn.Module, parameter, buffer=None) -> None:
 def meta_parameter(param: nn.Parameter) -> nn.Parameter:
     """A parameter of ``param``'s shape and dtype on the meta device (no storage)."""
     return nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+
+
+def write_index(model: nn.Module, directory: Path, split) -> None:
+    """The shard index ``save_pretrained`` writes beside sharded weights (none for a single file,
+    which is model.safetensors, as save_pretrained names it)."""
+    if split.is_sharded:
+        index = {"metadata": {"total_parameters": model.num_parameters(), **split.metadata},
+                 "weight_map": split.tensor_to_filename}
+        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def write_model_files(model: nn.Module, directory: Path) -> None:

@@ -174,6 +174,7 @@ class Streamed:
         self.source = SafetensorsSource(path)
         self.spool = None
         self.storage_dtype = None
+        self.integer_format = None
 
     def skeleton(self, task: str | None = None) -> nn.Module:
         from transformers import AutoConfig
@@ -202,26 +203,32 @@ class Streamed:
     def loader(self, model: nn.Module):
         return lambda name: load_module(model, name, self.source)
 
-    def open_spool(self, out: Path, storage_dtype: str | None = None) -> None:
-        """Converted layers will be written to a hidden spool file beside ``out`` (cast to
-        ``storage_dtype`` first, when given) and freed; ``close`` removes it."""
+    def open_spool(self, out: Path, storage_dtype: str | None = None, integer_format=None) -> None:
+        """Converted layers will be written to a hidden spool file beside ``out`` (cast to the float
+        ``storage_dtype`` first, or rounded to ``integer_format``, when given) and freed; ``close``
+        removes it."""
         from .spool import WeightSpool
 
         out.parent.mkdir(parents=True, exist_ok=True)
         handle, name = tempfile.mkstemp(prefix=f".{out.name}.spool-", dir=out.parent)
         os.close(handle)
-        self.spool, self.storage_dtype = WeightSpool(name), storage_dtype
+        self.spool, self.storage_dtype, self.integer_format = WeightSpool(name), storage_dtype, integer_format
 
     def releaser(self, model: nn.Module):
         return lambda name: self.spill(model, name)
 
     def spill(self, model: nn.Module, name: str) -> None:
         """Write module ``name`` (cast to the storage dtype) to the spool and free its memory."""
-        from ..conversion.storage import cast_for_storage
+        from ..conversion.storage import cast_for_storage, integer_axes
+        from .integer_storage import stored_entries
 
         if self.storage_dtype is not None:
             cast_for_storage(model.get_submodule(name), self.storage_dtype)
-        self.spool.spill(model, name)
+        stored = None
+        if self.integer_format is not None:
+            axes, fmt = integer_axes(model), self.integer_format
+            stored = lambda tensor_name, tensor: stored_entries(tensor_name, tensor, axes.get(tensor_name), fmt)  # noqa: E731
+        self.spool.spill(model, name, stored)
         give_back_free_memory()
 
     def finish(self, model: nn.Module) -> None:

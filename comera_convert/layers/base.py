@@ -185,7 +185,12 @@ class TTModule(InferenceCache):
         return num_params(self.spec)
 
     def dense_matrix(self) -> torch.Tensor:
-        """The R x C matrix the gated cores represent (rows = in / vocab, cols = out / dim)."""
+        """The R x C matrix the gated cores represent (rows = in / vocab, cols = out / dim). While an
+        integer checkpoint loads, its cores are integer buffers until transformers has read them
+        (``hf/integer_storage.py``): then a stand-in on the meta device (GPT-2's weight initializer
+        reads ``c_proj.weight`` of loaded layers too; it writes nothing that is kept)."""
+        if len(self.cores._parameters) != self._shape.num_cores:
+            return torch.empty(self._shape.rows, self._shape.cols, device="meta")
         return cores_to_matrix(self.gated_cores(), self.spec)
 
     # -- initialization -----------------------------------------------------------------------------

@@ -175,7 +175,7 @@ class ComeraTrainer(Trainer):
             return  # only the main process writes the model
         output_dir = output_dir or self.args.output_dir
         export, kept = truncated_copy(model, fold=False)
-        save_compressed(export, output_dir, overwrite=True)
+        save_compressed(export, output_dir, overwrite=True, integers=False)  # floats: --resume continues exactly
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         state = {"kept": kept, "controller": self.controller.state.to_dict(),
