@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -82,6 +83,9 @@ def test_checkpoint_layout(tmp_path):
     model, path = converted("bert-mlm", tmp_path)
     names = {p.name for p in path.iterdir()}
     assert {"config.json", "model.safetensors", "comera_report.json", "README.md", "comera_remote.py"} <= names
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (path / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask  # readable as a new file is
     assert not any(n.endswith((".bin", ".pt", ".pkl")) for n in names)
     config = json.loads((path / "config.json").read_text())
     assert config["transformers_weights"] == WEIGHTS_GUARD

@@ -158,6 +158,12 @@ def _move_into_place(tmp: Path, out: Path, replace_dir: bool) -> None:
     tmp.rmdir()
 
 
+def open_weight_files(directory: Path) -> None:
+    """Give the weight files the permissions a new file gets (safetensors writes them private, 0600)."""
+    for file in directory.glob("*.safetensors"):
+        file.chmod(0o666 & ~_umask())
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -208,6 +214,7 @@ def save_compressed(model, out: str | os.PathLike, *, report=None, source=None,
             type(model).save_pretrained(model, tmp, **save_kwargs)
         else:
             write_weights(tmp)
+        open_weight_files(tmp)
         _patch_config(tmp)
         carry_files(source, tmp)
         report = report if report is not None else describe(model)
