@@ -52,6 +52,21 @@ def test_int4_groups_round_each_group_to_its_own_scale():
     assert clipped.any()  # the clip search shrank some scales below the group's largest value
 
 
+def test_fake_quantize_rounds_the_forward_pass_and_passes_gradients_through():
+    from comera_convert.integer import fake_quantize
+
+    x = torch.randn(6, 32, requires_grad=True)
+    fmt = IntegerFormat(4, 16)
+    y = fake_quantize(x, fmt)
+    grid = IntegerFormat(4, 16, clip_search=False)  # each group's largest value sets its scale
+    values, scales = quantize(x, grid)
+    assert torch.equal(y, dequantize(values, scales, grid, x.shape))
+    assert not torch.equal(quantize(x, fmt)[1], scales)  # the clip search shrank some of those scales
+    assert 0 < rel_err(y, x) < 0.2
+    (y * torch.arange(32.0)).sum().backward()
+    assert torch.equal(x.grad, torch.arange(32.0).expand(6, 32))  # the straight-through estimator
+
+
 def test_int4_packs_two_values_a_byte():
     ints = torch.tensor([[-7, 7, 0, -1, 3, -8]], dtype=torch.int8)
     packed = pack_int4(ints)
@@ -82,7 +97,7 @@ def test_an_integer_checkpoint_loads_back_as_the_model_that_was_saved(case, dtyp
     dense = build(case)
     model.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
-    assert config["version"] == 4 and config["storage"] == {"format": dtype, "group_size": None}
+    assert config["version"] == 4 and config["storage"] == {"format": dtype, "group_size": None, "clip_search": True}
     with safe_open(tmp_path / "model.safetensors", "pt") as stored:
         integer = {k for k in stored.keys() if stored.get_slice(k).get_dtype() in ("I8", "U8")}
         axes = integer_axes(model)
@@ -93,6 +108,7 @@ def test_an_integer_checkpoint_loads_back_as_the_model_that_was_saved(case, dtyp
     assert torch.equal(outputs(loaded), outputs(model))
     assert all(p.dtype == torch.float32 for p in loaded.parameters())
     assert rel_err(outputs(loaded), outputs(dense)) < 1  # close to the dense model, rounding and all
+    assert torch.allclose(outputs(comera_convert.decompress_model(loaded)), outputs(model), atol=1e-5)
     bigger, float_model = tmp_path / "float", build(case)
     comera_convert.convert(float_model, ratio=3)  # the same conversion stored as floats
     float_model.save_pretrained(bigger)

@@ -597,8 +597,17 @@ def test_training_from_an_integer_checkpoint_exports_integers_and_checkpoints_fl
     assert all(checkpoint[k] == "F32" for k in cores) and not any(k.endswith("_scale") for k in checkpoint)
     config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     assert config["storage"]["format"] == "int8"
+    assert config["storage"]["clip_search"] is False  # written on the grid training ran on
     trained = comera_convert.from_pretrained(tmp_path / "out")
     assert all(p.dtype == torch.float32 for p in trained.parameters())
+    # Quantization-aware: the session's TT layers run on their cores rounded to the checkpoint's format.
+    from comera_convert.training.run import open_session
+
+    session = open_session(str(path), TrainOptions(objective="mlm", data=str(corpus), **FAST))
+    layers = [m for m in session.model.modules() if isinstance(m, comera_convert.TTModule)]
+    assert layers and all(m.integer_format is not None and m.integer_format.bits == 8 for m in layers)
+    plain = comera_convert.from_pretrained(path)
+    assert all(m.integer_format is None for m in plain.modules() if isinstance(m, comera_convert.TTModule))
 
 
 @pytest.mark.parametrize("target", [None, 4.0])

@@ -51,22 +51,23 @@ def check_storage(name: str, group_size: int | None) -> None:
         raise ConfigError(f"--group-size applies to integer storage (--dtype int8 or int4), not --dtype {name}")
 
 
-def integer_format(name: str, group_size: int | None = None) -> IntegerFormat:
+def integer_format(name: str, group_size: int | None = None, clip_search: bool = True) -> IntegerFormat:
     """The IntegerFormat of ``--dtype int8|int4``: int8 a scale per channel, int4 per
     INT4_GROUP_SIZE values (fewer where a core's width is not a multiple of it), or per the
     ``group_size`` given, which must then divide every width."""
     if name not in INTEGER_BITS:
         raise ConfigError(expected(f"an integer storage dtype in {tuple(INTEGER_BITS)}", name))
     bits = INTEGER_BITS[name]
-    if group_size is not None:
-        return IntegerFormat(bits, group_size)  # as asked: a width it does not divide is an error
-    return IntegerFormat(bits, INT4_GROUP_SIZE if bits == 4 else None, exact=False)
+    if group_size is not None:  # as asked: a width it does not divide is an error
+        return IntegerFormat(bits, group_size, clip_search=clip_search)
+    return IntegerFormat(bits, INT4_GROUP_SIZE if bits == 4 else None, exact=False, clip_search=clip_search)
 
 
-def storage_record(name: str, group_size: int | None) -> dict:
-    """What the checkpoint's config records of integer storage: the ``--dtype`` and the group size
-    asked for (None: the default), which ``integer_format`` turns back into the format."""
-    return {"format": name, "group_size": group_size}
+def storage_record(name: str, group_size: int | None, clip_search: bool = True) -> dict:
+    """What the checkpoint's config records of integer storage: the ``--dtype``, the group size
+    asked for (None: the default) and how scales are chosen, which ``integer_format`` turns back
+    into the format."""
+    return {"format": name, "group_size": group_size, "clip_search": clip_search}
 
 
 def integer_axes(model: nn.Module) -> dict[str, int]:
@@ -76,6 +77,7 @@ def integer_axes(model: nn.Module) -> dict[str, int]:
     MIN_INTEGER_VALUES values (a channel per row). Vectors (norms, biases, gates) stay float, and so
     does a matrix held in two places (a dense table and the head tied to it)."""
     from ..layers import CodebookEmbedding, TTModule
+    from ..layers.base import core_channel_axis
 
     uses: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
@@ -86,7 +88,7 @@ def integer_axes(model: nn.Module) -> dict[str, int]:
         if isinstance(module, TTModule):
             cores = [name for name, _ in module.cores.named_parameters()]
             for index, name in enumerate(cores):
-                axes[f"{prefix}cores.{name}"] = module.cores[index].dim() - 1 if index == 0 else 0
+                axes[f"{prefix}cores.{name}"] = core_channel_axis(index, module.cores[index])
         for name, param in module.named_parameters(recurse=False):
             full = f"{prefix}{name}"
             if full in axes or not param.is_floating_point() or param.dim() < 2 or uses[id(param)] > 1:
@@ -114,6 +116,16 @@ def round_in_place(module: nn.Module, fmt: IntegerFormat, module_name: str = "")
         what = f"{module_name}.{name}" if module_name else name
         values, scales = quantize(param, fmt, axis, what=what)
         param.copy_(dequantize(values, scales, fmt, param.shape, axis, param.dtype))
+
+
+def train_on_the_grid(model: nn.Module, fmt: IntegerFormat | None) -> None:
+    """Make every TT layer and codebook table of ``model`` run on its factors rounded to ``fmt``
+    (None: on the floats again): training then learns what integer storage keeps."""
+    from ..layers import CodebookEmbedding, TTModule
+
+    for module in model.modules():
+        if isinstance(module, (TTModule, CodebookEmbedding)):
+            module.integer_format = fmt
 
 
 @torch.no_grad()

@@ -56,6 +56,12 @@ class ComeraConfig(QuantizationConfigMixin):
             self.integer_format()  # refuse a record this release cannot read, in one line
         self._model = None
 
+    def round_as_trained(self) -> None:
+        """Record that the factors are to be rounded as quantization-aware training rounds them
+        (each group's largest magnitude its scale), the grid the model learned on."""
+        if self.storage is not None:
+            self.storage["clip_search"] = False
+
     def integer_format(self):
         """The IntegerFormat the factors are stored in, or None for float storage."""
         from ..conversion.storage import INTEGER_BITS, integer_format
@@ -67,7 +73,7 @@ class ComeraConfig(QuantizationConfigMixin):
             raise ModelLoadError(f"this checkpoint stores its factors as {name!r}, which this comera_convert "
                                  f"cannot read (it reads {' and '.join(INTEGER_BITS)}): upgrade comera-convert")
         try:
-            return integer_format(name, self.storage.get("group_size"))
+            return integer_format(name, self.storage.get("group_size"), self.storage.get("clip_search", True) is not False)
         except ValueError as err:
             raise ModelLoadError(f"the checkpoint's integer storage record is not valid: {err}") from None
 

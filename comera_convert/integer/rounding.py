@@ -3,11 +3,14 @@
 A tensor is read as channels (one axis) of ``width`` values each (every other axis, flattened).
 Each group of ``group_size`` consecutive values of a channel (the whole channel without a group
 size) gets one scale s, and each value x is stored as q = round(x / s), clamped to the format's
-range: -127..127 for int8, -7..7 for int4 (two values per byte, low nibble first); a tensor's
+range: -127..127 for int8, -7..7 for int4 (two values per byte, low nibble first), -3..3 and -1..1
+for 3 and 2 bits (held a byte each: rounding measured, never stored); a tensor's
 scales say how its channels were grouped, so reading needs no group size. s is chosen
 by a small search (the clip search of AWQ and OmniQuant): s = shrink * max|x| / q_max for the
 shrink in ``SHRINKS`` whose rounding error over the group is least; clipping the largest values a
-little buys finer steps for all the others. Scales are stored in float16 (GPTQ and AWQ do too).
+little buys finer steps for all the others. A model trained on the rounded values (``fake_quantize``)
+is rounded with s = max|x| / q_max, the grid it trained on. Scales are stored in float16 (GPTQ and
+AWQ do too).
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import torch
 
 from ..errors import ConfigError, ModelLoadError, expected
 
-BITS = (8, 4)
+# Bits a value can be rounded to; checkpoints store 8 and 4 (two a byte), 3 and 2 are for
+# measuring rounding as a peer (`comera eval --baselines`).
+BITS = (8, 4, 3, 2)
 # Shrinks of the largest magnitude tried as the clipping level of each group (1.0: no clipping).
 # On MiniLM's --ratio 4 factors, int4 in groups of 128: relative error 0.108 without the search,
 # 0.097 with it (int8 per channel: 0.0079 and 0.0075).
@@ -42,6 +47,10 @@ class IntegerFormat:
     bits: int
     group_size: int | None = None
     exact: bool = True
+    # Each group's scale by the clip search (below); False: its largest magnitude, as
+    # quantization-aware training rounds (``fake_quantize``), so that a model trained on that grid
+    # is written on it.
+    clip_search: bool = True
 
     def __post_init__(self):
         if self.bits not in BITS:
@@ -73,10 +82,41 @@ class IntegerFormat:
                 return count
         return 1
 
+    def stored_bytes(self, channels: int, width: int) -> int:
+        """Bytes of a (channels x width) tensor stored in this format: its values, bits / 8 bytes
+        each, and a float16 scale per group."""
+        return math.ceil(channels * width * self.bits / 8) + channels * self.groups(width, "a tensor") * 2
+
 
 def channels_first(tensor: torch.Tensor, axis: int) -> torch.Tensor:
     """``tensor`` as a (channels x width) matrix: ``axis`` first, every other axis flattened."""
     return tensor.movedim(axis, 0).reshape(tensor.shape[axis], -1)
+
+
+def _grouped(tensor: torch.Tensor, fmt: IntegerFormat, axis: int, what: str) -> torch.Tensor:
+    """``tensor`` as (channels x groups x group size) float32 values (``channels_first``, grouped)."""
+    matrix = channels_first(tensor.detach(), axis).float()
+    channels, width = matrix.shape
+    return matrix.reshape(channels, fmt.groups(width, what), -1)
+
+
+def _best_scales(grouped: torch.Tensor, fmt: IntegerFormat, shrinks: tuple[float, ...]) -> torch.Tensor:
+    """Each group's scale (channels x groups x 1, float16 values held in float32): of the shrinks of
+    its largest magnitude, the one whose rounding errs least (module docstring)."""
+    peak = grouped.abs().amax(-1, keepdim=True)
+    best_scale = best_error = None
+    for shrink in shrinks:
+        scale = (peak * shrink / fmt.largest).to(SCALE_DTYPE).float()
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero group (or one below float16)
+        if len(shrinks) == 1:
+            return scale
+        error = (_rounded(grouped, scale, fmt) * scale - grouped).square().sum(-1, keepdim=True)
+        if best_error is None:
+            best_scale, best_error = scale, error
+        else:
+            better = error < best_error
+            best_scale, best_error = torch.where(better, scale, best_scale), torch.minimum(error, best_error)
+    return best_scale
 
 
 @torch.no_grad()
@@ -84,26 +124,15 @@ def quantize(tensor: torch.Tensor, fmt: IntegerFormat, axis: int = 0,
              what: str = "the tensor") -> tuple[torch.Tensor, torch.Tensor]:
     """(values, scales) of ``tensor`` rounded to ``fmt`` with channels along ``axis``: int8 values
     (channels x width), or for int4 uint8 bytes of two values each (channels x width / 2); float16
-    scales (channels x groups). NaN or infinite entries are refused."""
-    matrix = channels_first(tensor.detach(), axis).float()
-    if not torch.isfinite(matrix).all():
+    scales (channels x groups), by the clip search unless ``fmt`` says otherwise (module
+    docstring). NaN or infinite entries are refused."""
+    grouped = _grouped(tensor, fmt, axis, what)
+    if not torch.isfinite(grouped).all():
         raise ConfigError(f"{what} holds NaN or infinite values: it cannot be stored as {fmt.name}")
-    channels, width = matrix.shape
-    grouped = matrix.reshape(channels, fmt.groups(width, what), -1)
-    peak = grouped.abs().amax(-1, keepdim=True)
-    best_scale = best_error = None
-    for shrink in SHRINKS:
-        scale = (peak * shrink / fmt.largest).to(SCALE_DTYPE).float()
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero group (or one below float16)
-        error = (_rounded(grouped, scale, fmt) * scale - grouped).square().sum(-1, keepdim=True)
-        if best_error is None:
-            best_scale, best_error = scale, error
-        else:
-            better = error < best_error
-            best_scale, best_error = torch.where(better, scale, best_scale), torch.minimum(error, best_error)
-    values = _rounded(grouped, best_scale, fmt).reshape(channels, width).to(torch.int8)
-    scales = best_scale.reshape(channels, -1).to(SCALE_DTYPE)
-    return (pack_int4(values) if fmt.bits == 4 else values), scales
+    scales = _best_scales(grouped, fmt, SHRINKS if fmt.clip_search else (1.0,))
+    values = _rounded(grouped, scales, fmt).reshape(grouped.shape[0], -1).to(torch.int8)
+    scales = scales.reshape(grouped.shape[0], -1).to(SCALE_DTYPE)
+    return (pack_int4(values) if fmt.bits == 4 else values), scales  # 3 and 2 bits: one a byte, unpacked
 
 
 def _rounded(grouped: torch.Tensor, scale: torch.Tensor, fmt: IntegerFormat) -> torch.Tensor:
@@ -127,6 +156,20 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor, fmt: IntegerFormat, s
     grouped = ints.float().reshape(channels, groups, -1) * scales.float().unsqueeze(-1)
     moved = [shape[axis]] + [s for i, s in enumerate(shape) if i != axis]
     return grouped.reshape(moved).movedim(0, axis).to(dtype).contiguous()
+
+
+def fake_quantize(tensor: torch.Tensor, fmt: IntegerFormat, axis: int = 0) -> torch.Tensor:
+    """``tensor`` rounded as ``fmt`` stores it, passing gradients through as if it were not (the
+    straight-through estimator of quantization-aware training): training then moves the values the
+    rounding keeps. Each group's largest magnitude sets its scale (no clip search: it runs every
+    step), and nothing is packed or checked: the values never leave memory."""
+    with torch.no_grad():
+        grouped = _grouped(tensor, fmt, axis, "a tensor")
+        scales = _best_scales(grouped, fmt, (1.0,))
+        rounded = (_rounded(grouped, scales, fmt) * scales).reshape(channels_first(tensor, axis).shape)
+        moved = [tensor.shape[axis]] + [size for i, size in enumerate(tensor.shape) if i != axis]
+        rounded = rounded.reshape(moved).movedim(0, axis).to(tensor.dtype)
+    return tensor + (rounded - tensor).detach()
 
 
 def pack_int4(values: torch.Tensor) -> torch.Tensor:

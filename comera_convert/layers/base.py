@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..errors import ShapeError, expected
+from ..integer import fake_quantize
 from ..tt import apply_gates, cores_to_matrix
 from ..tt.counting import num_params
 from ..tt.spec import TTSpec
@@ -125,8 +126,21 @@ class InferenceCache(nn.Module):
         return super().train(mode)
 
 
+def core_channel_axis(index: int, core: torch.Tensor) -> int:
+    """The axis integer storage gives a core's scales along: its largest bond, the last axis of the
+    first core and the first of the others (a low-rank pair's rank index: one singular direction)."""
+    return core.dim() - 1 if index == 0 else 0
+
+
 class TTModule(InferenceCache):
-    """Cores of a TT matrix with optional rank gates. Subclasses define ``forward``."""
+    """Cores of a TT matrix with optional rank gates. Subclasses define ``forward``.
+
+    ``integer_format`` (None: float): the integer format the layer's checkpoint stores its cores in;
+    set, the forward pass runs on the cores rounded to it (``fake_quantize``), so that training
+    learns what the rounding keeps (quantization-aware training, `comera train` on an integer
+    checkpoint)."""
+
+    integer_format = None
 
     def _init_factors(self, spec: TTSpec, gates: bool, device=None, dtype=None) -> None:
         self._shape = spec
@@ -177,8 +191,12 @@ class TTModule(InferenceCache):
         return listed(self.cores) + listed(self.gates) + buffers
 
     def gated_cores(self) -> list[torch.Tensor]:
-        """The cores with the gates folded in: what the forward pass contracts."""
-        return apply_gates(listed(self.cores), None if self.gates is None else listed(self.gates))
+        """The cores with the gates folded in (rounded to ``integer_format`` when set): what the
+        forward pass contracts, and what a checkpoint stores once the gates are folded."""
+        cores = apply_gates(listed(self.cores), None if self.gates is None else listed(self.gates))
+        if self.integer_format is None:
+            return cores
+        return [fake_quantize(core, self.integer_format, core_channel_axis(i, core)) for i, core in enumerate(cores)]
 
     def num_tt_parameters(self) -> int:
         """Entries in the cores (what the TT format stores for the matrix)."""

@@ -15,6 +15,7 @@ from torch import nn
 
 from ..codebook import CodebookSpec, dense_from_codes, product_quantize
 from ..errors import expected
+from ..integer import fake_quantize
 from .base import (InferenceCache, check_size, check_token_ids, checked_padding_idx, embedding_repr,
                    padding_rows_frozen)
 
@@ -82,9 +83,19 @@ class CodebookEmbedding(InferenceCache):
         """The dense table, built on demand (for code that reads ``embedding.weight``)."""
         return self.dense_matrix()
 
+    # The integer format the checkpoint stores the centres in (None: float); set, lookups use the
+    # centres rounded to it (quantization-aware training, as TTModule.integer_format).
+    integer_format = None
+
+    def centres(self) -> torch.Tensor:
+        """The codebooks, rounded to ``integer_format`` when set (a scale per slice)."""
+        if self.integer_format is None:
+            return self.codebooks
+        return fake_quantize(self.codebooks, self.integer_format, 0)
+
     def dense_matrix(self) -> torch.Tensor:
         """The (num_embeddings x embedding_dim) table the codes name."""
-        return dense_from_codes(self.codebooks, self.codes)
+        return dense_from_codes(self.centres(), self.codes)
 
     def table(self) -> torch.Tensor:
         """The whole table, built once per state of the centres and codes in inference (a tied
@@ -101,7 +112,7 @@ class CodebookEmbedding(InferenceCache):
 
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
         check_token_ids(indices, self.num_embeddings)
-        rows = dense_from_codes(self.codebooks, self.codes[indices])
+        rows = dense_from_codes(self.centres(), self.codes[indices])
         return padding_rows_frozen(rows, indices, self.padding_idx, self.training)
 
     def extra_repr(self) -> str:

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from ..errors import ComeraError, ConfigError, ModelLoadError
-from ..hf.config import compression_of
+from ..conversion.storage import train_on_the_grid
+from ..hf.config import compression_of, integer_format_of
 from ..models import load_tokenizer, read_config, resolve
 from ..retrieval import held_out_pairs, model_retrieval
 from ..text import Blocks, pack, shortened, text_length
@@ -258,6 +259,11 @@ def open_session(model_name: str, options: TrainOptions) -> Session:
                           "checkpointing in transformers; train without it")
     if options.dropout is not None:
         set_dropout(model, options.dropout)
+    # An integer checkpoint trains on its rounded factors (quantization-aware) and is written on the
+    # same grid: its scales by each group's largest magnitude, as the forward passes rounded.
+    if integer_format_of(model) is not None:
+        model.config.quantization_config.round_as_trained()
+        train_on_the_grid(model, integer_format_of(model))
     tokenizer = load_tokenizer(path, "comera train")
     teacher = _load_teacher(options, quantization, model) if objective == "distill" else None
     dense_params = quantization.get("dense_params") or sum(p.numel() for p in model.parameters())
