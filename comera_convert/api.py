@@ -155,6 +155,11 @@ def convert_checkpoint(model_name: str, out, options: ConvertOptions | None = No
                          load=load, release=release)
         if sequential is not None:
             sequential.finish()
+            if sequential.fits:
+                report.extra["reconstruction"] = [fit.to_dict() for fit in sequential.fits]
+        elif options.reconstruct_steps and options.calibration:
+            notes.append("block reconstruction runs in a calibrated conversion streamed block by block (a local "
+                         "safetensors checkpoint with a tokenizer and a stack of blocks): it was skipped")
         if streamed is not None:
             streamed.finish(model)
             report.extra["streamed"] = True
@@ -265,9 +270,12 @@ def _sequential_calibration(model, streamed, path, options: ConvertOptions, toke
     began = time.perf_counter()
     plan = plan_calibration(model, candidates, tokenizer, options.calibration, options.calibration_sequences,
                             options.calibration_seq_len)
-    kind = CompensatingCalibration if options.compensate else SequentialCalibration
-    return kind(model, streamed, plan, candidates, blocks, options.calibration,
-                reading_seconds=time.perf_counter() - began)
+    common = dict(reading_seconds=time.perf_counter() - began)
+    if options.compensate or options.reconstruct_steps:  # reconstruction needs the compressed stream too
+        reconstruct = (options.reconstruct_steps, options.reconstruct_lr) if options.reconstruct_steps else None
+        return CompensatingCalibration(model, streamed, plan, candidates, blocks, options.calibration,
+                                       fit_to_compressed=options.compensate, reconstruct=reconstruct, **common)
+    return SequentialCalibration(model, streamed, plan, candidates, blocks, options.calibration, **common)
 
 
 def _tokenizer_or_none(path: str):

@@ -59,6 +59,11 @@ def _default_out(model: str, ratio, rank) -> str:
 @click.option("--compensate/--no-compensate", default=None,
               help="Fit each layer to the inputs the compressed layers before it produce, not to the dense "
                    "model's (calibrating block by block) [default: from --ratio 3 on].")
+@click.option("--reconstruct-steps", type=int, default=None, metavar="N",
+              help="Tune each block for N Adam steps to reproduce the dense block's outputs after the "
+                   "closed-form fit (block-wise reconstruction) [default: 100 from --ratio 3 on, given 32 calibration sequences; 0: off].")
+@click.option("--reconstruct-lr", type=float, default=None, metavar="LR",
+              help="The learning rate of block-wise reconstruction [default: 1e-3].")
 @click.option("--allocation", type=click.Choice(ALLOCATIONS), default=None,
               help="One shared rank; per-kind rank scales searched on the calibration text (measured); "
                    "or per-layer ranks from error estimates (sensitivity) [default: uniform].")
@@ -84,7 +89,8 @@ def _default_out(model: str, ratio, rank) -> str:
               help="Split the weights into files of at most SIZE (e.g. 2GB), with an index [default: 50GB].")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of tables.")
 def convert(model, ratio, rank, layout, embedding_layout, word_embedding, d, targets, exclude, no_gates, calibration,
-            no_calibration, calibration_sequences, compensate, allocation, rank_multiple, dtype, group_size, device, recipe,
+            no_calibration, calibration_sequences, compensate, reconstruct_steps, reconstruct_lr, allocation,
+            rank_multiple, dtype, group_size, device, recipe,
             task, out, overwrite, max_shard_size, as_json):
     """Convert MODEL (directory, hub id or alias such as minilm, bert-base) to a TT checkpoint."""
     from ..recipes import convert_options
@@ -95,7 +101,7 @@ def convert(model, ratio, rank, layout, embedding_layout, word_embedding, d, tar
                  "targets": _patterns(targets), "exclude": _patterns(exclude),
                  "gates": False if no_gates else None, "calibration": calibration,
                  "calibration_sequences": calibration_sequences, "allocation": allocation,
-                 "compensate": compensate,
+                 "compensate": compensate, "reconstruct_steps": reconstruct_steps, "reconstruct_lr": reconstruct_lr,
                  "rank_multiple": rank_multiple, "dtype": dtype, "group_size": group_size, "device": device}
     options = convert_options(recipe, overrides)
     if no_calibration:

@@ -94,6 +94,8 @@ def totals_table(report, disk_bytes: int | None = None) -> Table:
         table.add_row("rank allocation", extra["allocation"].split(":")[0] + multiple)
     if "calibration" in extra:
         table.add_row("calibration", extra["calibration"])
+    if extra.get("reconstruction"):
+        table.add_row("block reconstruction", reconstruction_text(extra["reconstruction"]))
     if disk_bytes is not None:
         source = extra.get("source_bytes")
         versus = (f" (source {human_bytes(source)}, {source / disk_bytes:.2f}x smaller)"
@@ -118,6 +120,47 @@ def _training_text(training: dict) -> str:
         text += (f"; target ratio {training['target_ratio']:g}x {outcome} "
                  f"({training.get('ratio_reached', float('nan')):.2f}x)")
     return text
+
+
+def peers_table(model: str, metrics: dict, width: int) -> RenderableType:
+    """The compressed model and every peer in one table: bytes, how many times fewer than the dense
+    model's, and the share of dense recall@1 (else the mean cosine) kept per domain."""
+    sizes = metrics["sizes"]
+    dense_bytes = sizes["dense"]["bytes"]
+    entries = [(model, metrics["domains"], sizes["compressed"])]
+    entries += [(label, domains, sizes.get(label)) for label, domains in metrics["baselines"].items()]
+    names = list(metrics["domains"])
+    measure = "recall_kept" if any("recall_kept" in m for m in metrics["domains"].values()) else "mean_cosine"
+    columns = [("model", "left"), ("bytes", "right"), ("fewer", "right")] + [(name, "right") for name in names]
+    rows = []
+    for label, domains, size in entries:
+        stored = size["bytes"] if size else None
+        rows.append([label, human_bytes(stored) if stored else "-", f"{dense_bytes / stored:.1f}x" if stored else "-",
+                     *(f"{domains[n][measure]:.3f}" if measure in domains.get(n, {}) else "" for n in names)])
+    what = "share of dense recall@1 kept" if measure == "recall_kept" else "mean cosine to the dense model"
+    return fitted(f"against the peers: {what}, bytes against the dense model's {human_bytes(dense_bytes)}",
+                  columns, rows, width)
+
+
+def frontier_table(frontier: dict, width: int) -> RenderableType:
+    """Every model of the frontier by bytes, largest first: how many times fewer bytes than the dense
+    model, and the share of dense recall@1 kept per domain and on average."""
+    dense = frontier["dense_bytes"]
+    columns = ([("model", "left"), ("bytes", "right"), ("fewer", "right")]
+               + [(name, "right") for name in frontier["domains"]] + [("mean", "right")])
+    rows = [[p["label"] + (" (peer)" if p["kind"] == "peer" else ""), human_bytes(p["bytes"]),
+             f"{dense / p['bytes']:.1f}x", *(f"{p['kept'][name]:.3f}" for name in frontier["domains"]),
+             f"{p['mean_kept']:.3f}"] for p in frontier["points"]]
+    return fitted(f"size frontier of {frontier['reference']}: share of dense recall@1 kept "
+                  f"(dense {human_bytes(dense)})", columns, rows, width)
+
+
+def reconstruction_text(fits: list[dict]) -> str:
+    """Each block's held-out distance from the dense outputs before and after reconstruction, and how
+    many kept it."""
+    kept = sum(fit["kept"] for fit in fits)
+    errors = ", ".join(f"{fit['error_before']:.3f}->{fit['error_after']:.3f}" for fit in fits)
+    return f"held-out cosine distance to the dense outputs per block {errors} ({kept} of {len(fits)} blocks tuned)"
 
 
 def compare_table(infos, width: int) -> Table:

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 from ..errors import ConfigError, expected
 from ..option_files import from_mapping
 from ..tt.spec import LAYOUTS
+from .calibration import BATCH as CALIBRATION_BATCH
 from .storage import check_storage
 
 ALLOCATIONS = ("uniform", "measured", "sensitivity")
@@ -28,7 +29,17 @@ ONE_MODE_FROM_RATIO = 4.0
 # kept 0.72-0.74 of dense recall@1 on three natural-language domains instead of 0.49-0.62, at
 # --ratio 2 0.81-0.85 instead of 0.84-0.86 (BENCHMARKS.md, Conversion routes side by side).
 COMPENSATE_FROM_RATIO = 3.0
+# Reconstruction's steps a block where it is on by default. all-MiniLM-L6-v2, share of dense
+# recall@1 kept / mean cosine on held-out english / code / man / Debian pairs, against the closed
+# form alone: --ratio 4 0.799 / 0.619 / 0.905 / 0.832, cosine 0.706 / 0.611 / 0.593 / 0.607 (from
+# 0.831 / 0.619 / 0.832 / 0.772 and 0.673 / 0.576 / 0.552 / 0.564); --ratio 8 0.639 / 0.667 / 0.729 /
+# 0.698, cosine 0.534 / 0.437 / 0.407 / 0.421 (from 0.643 / 0.476 / 0.752 / 0.690 and 0.511 / 0.410 /
+# 0.380 / 0.390). About 25 s more for MiniLM on 2 cores (BENCHMARKS.md, Conversion at --ratio 6 and 8).
+RECONSTRUCT_STEPS = 100
 WORD_EMBEDDINGS = ("tt", "codebook")
+# Reconstruction holds out the last calibration batch and trains on the others.
+RECONSTRUCTION_HELD_OUT = CALIBRATION_BATCH
+RECONSTRUCTION_MIN_SEQUENCES = 2 * RECONSTRUCTION_HELD_OUT
 
 
 def default_modes(ratio: float | None, ttm: bool = False) -> int:
@@ -75,6 +86,14 @@ class ConvertOptions:
     # follows the ratio, as the modes do: on from COMPENSATE_FROM_RATIO, off below and for a
     # fixed --rank.
     compensate: bool | None = None
+    # Block-wise reconstruction (hf/reconstruction.py): after the closed-form fit, each block's
+    # factors, biases and norms are tuned for this many Adam steps (8 sequences each, at
+    # reconstruct_lr, decayed to zero) to reproduce the dense block's outputs from the inputs the
+    # compressed blocks before it give; kept only where it lowers the distance on a held-out
+    # calibration batch. 0: off. None follows the ratio, as compensation does: RECONSTRUCT_STEPS from
+    # COMPENSATE_FROM_RATIO on, off below and for a fixed --rank.
+    reconstruct_steps: int | None = None
+    reconstruct_lr: float = 1e-3
     # How --ratio's budget is split: "uniform" (one shared maximum rank), "measured" (per-kind rank
     # scales searched end to end on the calibration text; conversion/experimental/measured.py) or "sensitivity"
     # (per layer, from the calibration data's error estimates; conversion/experimental/sensitivity.py). Both are experimental: neither
@@ -170,6 +189,10 @@ class ConvertOptions:
             raise ConfigError(expected("codebook_width as a positive integer (columns per slice)", width))
         if self.compensate is None:
             self.compensate = self.rank is None and self.ratio >= COMPENSATE_FROM_RATIO
+        if self.reconstruct_steps is None:  # on where compensation is, given the sequences it holds out
+            on = (self.rank is None and self.ratio >= COMPENSATE_FROM_RATIO
+                  and self.calibration_sequences >= RECONSTRUCTION_MIN_SEQUENCES)
+            self.reconstruct_steps = RECONSTRUCT_STEPS if on else 0
         if not isinstance(self.compensate, bool):
             raise ConfigError(expected("compensate as true or false", self.compensate))
         if self.dtype is not None:
@@ -178,6 +201,7 @@ class ConvertOptions:
             raise ConfigError("--group-size applies to integer storage: give --dtype int8 or int4 with it")
         if self.device is not None:
             check_device(self.device)
+        self._check_reconstruction()
         scale = self.embedding_rank_scale
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 16:
             raise ConfigError(expected("embedding_rank_scale as a number in (0, 16]", scale))
@@ -195,6 +219,17 @@ class ConvertOptions:
             if value is not None and not all(isinstance(p, str) and p for p in value):
                 raise ConfigError(expected(f"{name} as a list of module-name patterns", value))
             setattr(self, name, list(value) if value else None)
+
+    def _check_reconstruction(self) -> None:
+        steps, lr = self.reconstruct_steps, self.reconstruct_lr
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+            raise ConfigError(expected("reconstruct_lr as a positive number", lr))
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ConfigError(expected("reconstruct_steps as a whole number of steps (0: off)", steps))
+        if steps and self.calibration is not None and self.calibration_sequences < RECONSTRUCTION_MIN_SEQUENCES:
+            raise ConfigError(f"reconstruction holds out {RECONSTRUCTION_HELD_OUT} calibration sequences to check "
+                              f"each block and trains on the rest: give at least {RECONSTRUCTION_MIN_SEQUENCES} "
+                              f"(--calibration-sequences {self.calibration_sequences})")
 
     @classmethod
     def from_dict(cls, data: dict, origin: str = "options") -> "ConvertOptions":

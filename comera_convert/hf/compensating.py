@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from ..conversion.calibration import add_gram
-from .sequential import BlockInputs, SequentialCalibration, StopForward, capture_into
+from .reconstruction import BlockFit, reconstruct_block
+from .sequential import BlockInputs, SequentialCalibration, StopForward, capture_into, hidden_of
 from .streaming import load_module
 
 # G is damped by this share of its mean diagonal before M* is solved for and whitened by: the
@@ -48,10 +49,17 @@ MIN_ROWS_PER_INPUT = 8
 class CompensatingCalibration(SequentialCalibration):
     """A ``SequentialCalibration`` whose statistics compensate the compression error of the layers
     before each one (module docstring). Modules outside the stack (embeddings, pooler, head) keep
-    the dense statistics."""
+    the dense statistics.
 
-    def __init__(self, *args, **kwargs):
+    ``fit_to_compressed`` False fits each layer to the dense inputs instead (the streams still run,
+    for reconstruction); ``reconstruct`` (steps, learning rate), when given, tunes each block once
+    its layers are converted (``reconstruction.py``), its fits collected in ``fits``."""
+
+    def __init__(self, *args, fit_to_compressed: bool = True, reconstruct: tuple[int, float] | None = None,
+                 **kwargs):
         super().__init__(*args, **kwargs)
+        self.fit_to_compressed, self.reconstruct = fit_to_compressed, reconstruct
+        self.fits: list[BlockFit] = []  # one per block, when reconstructing
         self.compressed_inputs: list[BlockInputs] | None = None  # the compressed stream, at the open block
         self.open: int | None = None  # the block whose layers are being converted
         self.dense_block: nn.Module | None = None  # a dense copy of it
@@ -138,7 +146,7 @@ class CompensatingCalibration(SequentialCalibration):
             x = _input_of(dense_layer, self.dense_block, dense_inputs)
             if gram is None:
                 width = x.shape[1]
-                compensating = self.stats.tokens >= MIN_ROWS_PER_INPUT * width
+                compensating = self.fit_to_compressed and self.stats.tokens >= MIN_ROWS_PER_INPUT * width
                 gram, sums = torch.zeros(width, width, dtype=torch.float64), torch.zeros(width, dtype=torch.float64)
                 if compensating:
                     cross, dense_sums = torch.zeros_like(gram), torch.zeros_like(sums)
@@ -162,6 +170,10 @@ class CompensatingCalibration(SequentialCalibration):
         block = self.stack[self.open]
         block.eval()
         self.last_outputs = [inputs.run(self.dense_block) for inputs in self.inputs]
+        if self.reconstruct is not None:
+            steps, lr = self.reconstruct
+            targets = [hidden_of(output) for output in self.last_outputs]
+            self.fits.append(reconstruct_block(block, self.open, self.compressed_inputs, targets, steps, lr))
         for inputs in self.compressed_inputs:
             inputs.run(block)
         for name in self.converted:

@@ -47,6 +47,11 @@ def find_blocks(model: nn.Module) -> str | None:
     return best
 
 
+def hidden_of(output):
+    """A block's hidden states: the first element of a tuple output, or the output itself."""
+    return output[0] if isinstance(output, tuple) else output
+
+
 class BlockInputs:
     """What one calibration batch passes the next block: positional and keyword arguments."""
 
@@ -56,7 +61,7 @@ class BlockInputs:
     def run(self, block: nn.Module):
         """Run ``block`` on these inputs; its output's hidden states become the inputs of the next."""
         output = block(*self.args, **self.kwargs)
-        hidden = output[0] if isinstance(output, tuple) else output
+        hidden = hidden_of(output)
         if self.args:
             self.args = (hidden, *self.args[1:])
         else:
@@ -106,6 +111,7 @@ class SequentialCalibration:
         self.last_outputs: list = []  # the last block run's outputs, replayed for the modules after the stack
         self.finished = False
         self.deferred: list[str] = []
+        self.fits: list = []  # blocks tuned by reconstruction (CompensatingCalibration's): none here
 
     def block_of(self, name: str) -> int | None:
         prefix = f"{self.blocks}."

@@ -1,0 +1,85 @@
+"""Block-wise reconstruction: each compressed block tuned to reproduce the dense block's outputs,
+kept only where it lowers the held-out error, never saving a diverged block."""
+
+import logging
+
+import pytest
+import torch
+
+from comera_convert.api import convert_checkpoint
+from comera_convert.conversion import ConvertOptions
+from comera_convert.errors import ConfigError
+
+from .test_streaming import _with_tokenizer
+from .tiny_models import outputs
+
+# A fixed rank: a ratio would compress only the tiny models' vocabulary-sized table. 64 x 32 tokens:
+# four calibration batches, the last held out.
+SMALL = dict(rank=4, calibration="english", calibration_sequences=64, calibration_seq_len=32, word_embedding="tt")
+
+
+def _converted(tmp_path, name, **options):
+    torch.manual_seed(0)
+    return convert_checkpoint(str(tmp_path / "dense"), tmp_path / name, ConvertOptions(**{**SMALL, **options}))
+
+
+def test_reconstruction_lowers_each_kept_blocks_held_out_error_and_reports_it(tmp_path):
+    _, _, cls = _with_tokenizer(tmp_path, "bert")
+    plain = _converted(tmp_path, "plain", reconstruct_steps=0)
+    tuned = _converted(tmp_path, "tuned", reconstruct_steps=60, reconstruct_lr=1e-2)
+    fits = tuned.report.extra["reconstruction"]
+    assert [fit["block"] for fit in fits] == [0, 1]
+    assert any(fit["kept"] for fit in fits)
+    for fit in fits:
+        assert fit["error_after"] < fit["error_before"] if fit["kept"] else fit["error_after"] == fit["error_before"]
+    assert "reconstruction" not in plain.report.extra
+    # The tuned blocks stand closer to the dense model on text the calibration did not read.
+    dense = cls.from_pretrained(tmp_path / "dense").eval()
+    ids = torch.randint(1000, 20000, (4, 24), generator=torch.Generator().manual_seed(5))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    reference = outputs(dense, batch)
+    errors = {name: float((outputs(cls.from_pretrained(tmp_path / name).eval(), batch) - reference).norm())
+              for name in ("plain", "tuned")}
+    assert errors["tuned"] < errors["plain"], errors
+
+
+def test_a_diverging_block_keeps_its_closed_form_fit_with_a_warning(tmp_path, caplog):
+    _, _, cls = _with_tokenizer(tmp_path, "bert")
+    _converted(tmp_path, "plain", reconstruct_steps=0)
+    with caplog.at_level(logging.WARNING, logger="comera_convert"):
+        result = _converted(tmp_path, "diverged", reconstruct_steps=5, reconstruct_lr=1e30)
+    assert not any(fit["kept"] for fit in result.report.extra["reconstruction"])
+    warnings = [r.getMessage() for r in caplog.records if "reconstruction" in r.getMessage()]
+    assert len(warnings) == 2 and all("kept the closed-form fit" in w and "\n" not in w for w in warnings)
+    plain, diverged = (cls.from_pretrained(tmp_path / name).eval() for name in ("plain", "diverged"))
+    assert all(torch.isfinite(p).all() for p in diverged.parameters())
+    assert torch.equal(outputs(diverged), outputs(plain))
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(reconstruct_steps=-1), "reconstruct_steps as a whole number of steps (0: off)"),
+    (dict(reconstruct_steps=2.5), "reconstruct_steps as a whole number of steps (0: off)"),
+    (dict(reconstruct_steps=10, reconstruct_lr=0), "reconstruct_lr as a positive number"),
+    (dict(reconstruct_steps=10, reconstruct_lr=float("nan")), "reconstruct_lr as a positive number"),
+    (dict(reconstruct_steps=10, calibration="english", calibration_sequences=16),
+     "give at least 32 (--calibration-sequences 16)"),
+])
+def test_bad_reconstruction_options_are_refused(options, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ConvertOptions(ratio=4, **options)
+
+
+def test_reconstruction_follows_the_ratio_as_compensation_does():
+    assert ConvertOptions(ratio=4).reconstruct_steps == 100 and ConvertOptions(ratio=2).reconstruct_steps == 0
+    assert ConvertOptions(rank=8).reconstruct_steps == 0
+    assert ConvertOptions(ratio=4, calibration_sequences=16).reconstruct_steps == 0  # too few to hold 16 out
+    assert ConvertOptions(ratio=4, reconstruct_steps=0).reconstruct_steps == 0
+
+
+def test_a_model_that_cannot_stream_block_by_block_says_reconstruction_was_skipped(tmp_path):
+    _with_tokenizer(tmp_path, "bert")  # the sensitivity allocation converts a model loaded whole
+    result = convert_checkpoint(str(tmp_path / "dense"), tmp_path / "out",
+                                ConvertOptions(ratio=3, allocation="sensitivity", word_embedding="tt",
+                                               calibration="english", calibration_sequences=32,
+                                               calibration_seq_len=32, reconstruct_steps=10))
+    assert any("block reconstruction runs in a calibrated conversion" in note for note in result.notes)
