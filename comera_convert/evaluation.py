@@ -149,53 +149,36 @@ def worst_domain(domains: dict[str, dict]) -> str:
     return max(domains, key=lambda name: gap(domains[name]))
 
 
-def baseline_models(reference) -> dict:
-    """What else makes the dense model smaller, to compare with on the same texts: the whole model
-    stored in bfloat16 (2x smaller than float32) and its linear layers dynamically quantized to int8
-    (torch.ao, CPU; about 4x smaller linears)."""
-    import copy
-    import warnings
-
-    from torch import nn
-
-    with warnings.catch_warnings():  # torch deprecates its quantized tensors; still the plain int8 reference
-        warnings.simplefilter("ignore")
-        int8 = torch.ao.quantization.quantize_dynamic(copy.deepcopy(reference).float(), {nn.Linear},
-                                                      dtype=torch.qint8)
-    return {"bfloat16 storage": copy.deepcopy(reference).to(torch.bfloat16), "int8 linears (dynamic)": int8}
-
-
 MODEL2VEC_MISSING = ("Model2Vec baseline skipped: it needs model2vec's distillation, "
                      "pip install 'model2vec[distill]' (which pins transformers below 5.4)")
 
 
 class StaticBaseline:
     """Model2Vec's static embeddings distilled from the dense source (each token's output embedding,
-    reduced by PCA, weighted by token frequency): no transformer at all, as many parameters as the
-    compressed model (the PCA width is parameters / vocabulary)."""
+    reduced by PCA, weighted by token frequency): no transformer at all, in as many bytes as the
+    compressed model's weights, stored as Model2Vec's own int8 table (the PCA width is bytes /
+    vocabulary, at most the model's width)."""
 
-    def __init__(self, source_path, parameters: int, vocab_size: int, width: int):
+    def __init__(self, source_path, stored_bytes: int, vocab_size: int, width: int):
         from model2vec.distill import distill
 
-        dims = max(1, min(width, round(parameters / vocab_size)))
-        self.model = distill(model_name=str(source_path), pca_dims=dims, device="cpu")
-        self.label = f"Model2Vec, {dims} dims"
+        self.dims = max(1, min(width, round(stored_bytes / vocab_size)))
+        self.model = distill(model_name=str(source_path), pca_dims=self.dims, device="cpu", quantize_to="int8")
+        self.label = f"Model2Vec int8, {self.dims} dims"
+        self.stored_bytes = vocab_size * self.dims
 
     def scores(self, pairs: list[tuple[str, str]]) -> dict:
         queries, documents = zip(*pairs)
         return retrieval_scores(*(torch.from_numpy(self.model.encode(list(texts))) for texts in (queries, documents)))
 
 
-def static_baseline(source_path, compressed, config) -> StaticBaseline | None:
-    """The Model2Vec peer, or None where model2vec's distillation is not installed."""
+def static_baseline(source_path, stored_bytes: int, config) -> StaticBaseline | None:
+    """The Model2Vec peer at ``stored_bytes``, or None where model2vec's distillation is not installed."""
     try:
         import model2vec.distill  # noqa: F401
     except ImportError:
         return None
-    from .conversion import count_params
-
-    parameters = count_params(compressed)  # a codebook table's codes included: the peer gets the same size
-    return StaticBaseline(source_path, parameters, config["vocab_size"], config["hidden_size"])
+    return StaticBaseline(source_path, stored_bytes, config["vocab_size"], config["hidden_size"])
 
 
 def evaluate(compressed_name: str, reference_name: str | None = None, data=None, texts: int = 64,
@@ -204,7 +187,8 @@ def evaluate(compressed_name: str, reference_name: str | None = None, data=None,
     """Metrics of a compressed checkpoint against its dense reference (the recorded source by
     default), per domain: the built-in corpora's held-out splits, ``data`` (one source or a list)
     and ``pairs`` (JSONL files of query/document pairs, a domain each, named by the file).
-    ``baselines``: also the same metrics of ``baseline_models`` against the reference."""
+    ``baselines``: also the same metrics of the peers (``peers.py``, and Model2Vec at equal bytes), and
+    every model's size in bytes (``sizes``)."""
     from .hf.config import compression_of
     from .hf.loading import from_pretrained
     from .models import load_model, load_tokenizer, read_config, resolve
@@ -258,18 +242,37 @@ def evaluate(compressed_name: str, reference_name: str | None = None, data=None,
     metrics = {"kind": kind, "reference": source, "pooling": pooling, "domains": domains,
                "worst_domain": worst_domain(domains)}
     if baselines:
-        metrics["baselines"] = {label: per_domain(model, f"{label}: ")
-                                for label, model in baseline_models(reference).items()}
-        if tasks:
-            progress("distilling the Model2Vec baseline")
-            static = static_baseline(resolve(source), compressed, config)
-            if static is None:
-                metrics["notes"] = [MODEL2VEC_MISSING]
-            else:
-                metrics["baselines"][static.label] = {
-                    name: {"texts": len(task.pairs), "pairs": len(task.pairs), **kept(static.scores(task.pairs), task.dense)}
-                    for name, task in tasks.items()}
+        metrics.update(_peers(compressed, reference, path, source, config, tasks, per_domain, progress))
     return metrics
+
+
+def _peers(compressed, reference, path, source, config, tasks, per_domain, progress) -> dict:
+    """The peers' metrics on the same domains, every model's bytes (``sizes``) and notes on the peers
+    that could not run."""
+    from .conversion import count_params
+    from .hf.saving import weight_bytes
+    from .models import resolve
+    from .peers import float_bytes, rounding_peers
+
+    own_bytes = weight_bytes(path)
+    sizes = {"dense": {"parameters": count_params(reference), "bytes": float_bytes(reference)},
+             "compressed": {"parameters": count_params(compressed), "bytes": own_bytes}}
+    peers, notes = rounding_peers(reference)
+    results = {}
+    for peer in peers:
+        results[peer.label] = per_domain(peer.model, f"{peer.label}: ")
+        sizes[peer.label] = {"parameters": count_params(reference), "bytes": peer.stored_bytes}
+    if tasks:
+        progress("distilling the Model2Vec baseline")
+        static = static_baseline(resolve(source), own_bytes, config)
+        if static is None:
+            notes.append(MODEL2VEC_MISSING)
+        else:
+            results[static.label] = {
+                name: {"texts": len(task.pairs), "pairs": len(task.pairs), **kept(static.scores(task.pairs), task.dense)}
+                for name, task in tasks.items()}
+            sizes[static.label] = {"parameters": static.stored_bytes, "bytes": static.stored_bytes}
+    return {"baselines": results, "sizes": sizes, **({"notes": notes} if notes else {})}
 
 
 def _pair_domain_name(file, taken) -> str:

@@ -16,9 +16,9 @@ LAYERS = [
     {"layers"},
     {"conversion"},
     {"hf", "models"},
-    {"training", "retrieval"},
+    {"training", "retrieval", "peers"},
     {"evaluation"},
-    {"api", "checkpoint_info", "recipes"},
+    {"api", "checkpoint_info", "recipes", "frontier"},
     {"bench", "cli", "__init__", "__main__"},
 ]
 WITHOUT_TRANSFORMERS = {"errors", "progress", "option_files", "tt", "codebook", "integer", "text", "layers",

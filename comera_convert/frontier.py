@@ -1,0 +1,136 @@
+"""The size frontier (`comera frontier`): how much of the dense model's retrieval each way of making
+it smaller keeps, against the bytes it stores.
+
+Compressed checkpoints of one source (as many as given: ratios, storage dtypes, trained or not) and
+the peers of that source (``peers.py``: rounding every weight to 16, 8, 4, 3 and 2 bits; Model2Vec
+at each checkpoint's bytes where model2vec's distillation is installed) are scored on the same
+query/document pairs, the dense model's embeddings computed once: the share of its recall@1 each
+keeps per domain, and their mean. A plot puts the mean against the bytes, on a log scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import ConfigError
+from .evaluation import DEFAULT_DOMAINS, MODEL2VEC_MISSING, Task, _kind, domain_pairs, static_baseline
+from .progress import Progress, no_progress
+from .retrieval import kept, model_retrieval, read_pairs
+
+
+@dataclass
+class FrontierPoint:
+    """One model on the frontier: its label, what it is ("comera" or "peer"), its bytes and the share
+    of dense recall@1 it keeps per domain."""
+
+    label: str
+    kind: str
+    bytes: int
+    kept: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def mean_kept(self) -> float:
+        return sum(self.kept.values()) / len(self.kept)
+
+    def to_dict(self) -> dict:
+        return {"label": self.label, "kind": self.kind, "bytes": self.bytes, "kept": self.kept,
+                "mean_kept": self.mean_kept}
+
+
+def size_frontier(models: list[str], pairs=(), texts: int = 200, seq_len: int = 128, peers: bool = True,
+                  progress: Progress = no_progress) -> dict:
+    """The frontier of ``models`` (compressed checkpoints of one source) and, with ``peers``, of that
+    source's peers, on the built-in held-out pairs and the ``pairs`` files (a domain each)."""
+    from .hf.config import compression_of
+    from .hf.loading import from_pretrained
+    from .hf.saving import weight_bytes
+    from .models import load_model, load_tokenizer, read_config, resolve
+    from .peers import float_bytes, rounding_peers
+
+    paths = [resolve(name) for name in models]
+    configs = [read_config(path) for path in paths]
+    sources = {(compression_of(c) or {}).get("source") for c in configs}
+    if None in sources or len(sources) != 1:
+        raise ConfigError(_one_source_error(models, configs))
+    if any(_kind(c) == "clm" for c in configs):
+        raise ConfigError("the frontier scores retrieval by sentence embeddings, which causal LMs are not "
+                          "evaluated by: compare them with `comera eval` (perplexity per domain)")
+    source = sources.pop()
+    progress(f"loading {source}")
+    reference, _ = load_model(source, task="base")
+    reference.eval()
+    tokenizer = load_tokenizer(paths[0], "comera frontier")
+    domains = {name: domain_pairs(name, texts) for name in DEFAULT_DOMAINS}
+    domains.update({Path(file).stem: read_pairs(file, texts) for file in pairs})
+    tasks = {}
+    for index, (name, found) in enumerate(domains.items()):
+        progress(f"dense retrieval on {name}", index, len(domains))
+        tasks[name] = Task(found, reference, tokenizer, seq_len, "mean")
+
+    def scored(label: str, kind: str, stored: int, model) -> FrontierPoint:
+        progress(f"measuring {label}")
+        shares = {name: kept(model_retrieval(model, tokenizer, task.pairs, seq_len), task.dense)["recall_kept"]
+                  for name, task in tasks.items()}
+        return FrontierPoint(label, kind, stored, shares)
+
+    points = [scored(name, "comera", weight_bytes(path), from_pretrained(path, task="base").eval())
+              for name, path in zip(models, paths)]
+    notes = []
+    if peers:
+        rounded, notes = rounding_peers(reference)
+        points += [scored(peer.label, "peer", peer.stored_bytes, peer.model) for peer in rounded]
+        points += _static_points(resolve(source), sorted({p.bytes for p in points if p.kind == "comera"}),
+                                 configs[0], tasks, notes, progress)
+    points.sort(key=lambda point: -point.bytes)
+    return {"reference": source, "dense_bytes": float_bytes(reference), "domains": list(tasks),
+            "points": [p.to_dict() for p in points], "notes": notes}
+
+
+def _static_points(source_path, byte_counts: list[int], config: dict, tasks: dict, notes: list[str],
+                   progress) -> list[FrontierPoint]:
+    """Model2Vec distilled at each of ``byte_counts`` (skipped, with a note, where it is missing)."""
+    points = []
+    for stored in byte_counts:
+        progress(f"distilling Model2Vec in {stored} bytes")
+        static = static_baseline(source_path, stored, config)
+        if static is None:
+            notes.append(MODEL2VEC_MISSING)
+            return points
+        shares = {name: kept(static.scores(task.pairs), task.dense)["recall_kept"] for name, task in tasks.items()}
+        points.append(FrontierPoint(static.label, "peer", static.stored_bytes, shares))
+    return points
+
+
+def _one_source_error(models: list[str], configs: list[dict]) -> str:
+    from .hf.config import compression_of
+
+    recorded = {name: (compression_of(c) or {}).get("source") for name, c in zip(models, configs)}
+    return ("the frontier compares compressed checkpoints of one source model: "
+            + ", ".join(f"{name} records {source!r}" for name, source in recorded.items()))
+
+
+def plot_frontier(frontier: dict, path: Path) -> Path:
+    """The mean share kept against the bytes (log scale), comera's checkpoints and the peers apart."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 5), dpi=100)
+    axis = fig.subplots()
+    for kind, marker, colour in (("comera", "o", "tab:blue"), ("peer", "s", "tab:gray")):
+        points = [p for p in frontier["points"] if p["kind"] == kind]
+        axis.scatter([p["bytes"] / 1e6 for p in points], [p["mean_kept"] for p in points], marker=marker,
+                     color=colour, label="comera checkpoints" if kind == "comera" else "peers")
+        for p in points:
+            axis.annotate(p["label"], (p["bytes"] / 1e6, p["mean_kept"]), fontsize=7, xytext=(3, 3),
+                          textcoords="offset points")
+    axis.set_xscale("log")
+    axis.set_xlabel(f"bytes stored, MB (dense: {frontier['dense_bytes'] / 1e6:.1f} MB)")
+    axis.set_ylabel("share of dense recall@1 kept (mean over domains)")
+    axis.legend(loc="lower right")
+    axis.grid(True, which="both", linewidth=0.3)
+    fig.suptitle(f"size frontier of {frontier['reference']}")
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp)
+    tmp.replace(path)
+    return path
