@@ -182,3 +182,14 @@ def test_progress_callback_sees_every_module():
     report = comera_convert.convert(model, rank=4, progress=lambda name, i, n: seen.append((name, i, n)))
     assert [s[0] for s in seen] == [r.name for r in report.modules if r.kind != "tied_head"]
     assert seen[-1][1] == seen[-1][2] - 1
+
+
+def test_a_model_with_no_module_the_converter_knows_is_refused_in_one_line():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.LayerNorm(8))
+    with pytest.raises(ConfigError) as error:
+        comera_convert.convert(model, ratio=2)
+    assert str(error.value) == ("no module to convert: expected Linear, Embedding or GPT-2 Conv1D layers, "
+                                "found only Conv2d, LayerNorm")
+    linear = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    with pytest.raises(ConfigError, match="every Linear and Embedding was excluded or is too small"):
+        comera_convert.convert(linear, ratio=2, exclude=["0"])

@@ -63,7 +63,7 @@ def convert_modules(model: nn.Module, options: ConvertOptions, calibration: Cali
     params_before = count_params(model)
     candidates, tied, skipped = find_candidates(model, options.targets, options.exclude, options.d)
     if not candidates:
-        raise ConfigError("no module to convert: every Linear and Embedding was excluded or is too small")
+        raise ConfigError(_nothing_to_convert(model, skipped))
     choice = LayoutChoice(options.layout, options.embedding_layout, options.d, options.gates, options.rank_multiple,
                           codebook_tables(model, candidates, options), options.codebook_width)
     allocation = _allocate(model, candidates, params_before, options, choice, calibration, progress)
@@ -178,3 +178,12 @@ def _round_for_storage(module: nn.Module, options: ConvertOptions, name: str) ->
     fmt = integer_storage(options.dtype, options.group_size)
     if fmt is not None:
         round_in_place(module, fmt, name)
+
+
+def _nothing_to_convert(model: nn.Module, skipped: dict) -> str:
+    """Why a model has no module to convert: none of a kind the converter knows, or all passed over."""
+    if skipped:
+        return "no module to convert: every Linear and Embedding was excluded or is too small"
+    kinds = sorted({type(m).__name__ for m in model.modules() if not list(m.children())})
+    return ("no module to convert: expected Linear, Embedding or GPT-2 Conv1D layers, found only "
+            + (", ".join(kinds) or "no layers"))
