@@ -254,14 +254,14 @@ def _peers(compressed, reference, path, source, config, tasks, per_domain, progr
     from .models import resolve
     from .peers import float_bytes, rounding_peers
 
-    own_bytes = weight_bytes(path)
-    sizes = {"dense": {"parameters": count_params(reference), "bytes": float_bytes(reference)},
+    own_bytes, dense_params = weight_bytes(path), count_params(reference)
+    sizes = {"dense": {"parameters": dense_params, "bytes": float_bytes(reference)},
              "compressed": {"parameters": count_params(compressed), "bytes": own_bytes}}
     peers, notes = rounding_peers(reference)
     results = {}
     for peer in peers:
         results[peer.label] = per_domain(peer.model, f"{peer.label}: ")
-        sizes[peer.label] = {"parameters": count_params(reference), "bytes": peer.stored_bytes}
+        sizes[peer.label] = {"parameters": dense_params, "bytes": peer.stored_bytes}
     if tasks:
         progress("distilling the Model2Vec baseline")
         static = static_baseline(resolve(source), own_bytes, config)

@@ -93,6 +93,13 @@ def channels_first(tensor: torch.Tensor, axis: int) -> torch.Tensor:
     return tensor.movedim(axis, 0).reshape(tensor.shape[axis], -1)
 
 
+def channels_back(matrix: torch.Tensor, shape, axis: int) -> torch.Tensor:
+    """The inverse of ``channels_first``: a (channels x ...) tensor back to ``shape``, its channels
+    along ``axis``."""
+    moved = [shape[axis]] + [size for i, size in enumerate(shape) if i != axis]
+    return matrix.reshape(moved).movedim(0, axis)
+
+
 def _grouped(tensor: torch.Tensor, fmt: IntegerFormat, axis: int, what: str) -> torch.Tensor:
     """``tensor`` as (channels x groups x group size) float32 values (``channels_first``, grouped)."""
     matrix = channels_first(tensor.detach(), axis).float()
@@ -154,8 +161,7 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor, fmt: IntegerFormat, s
         raise ModelLoadError(f"{what} is stored as {tuple(values.shape)} values and {tuple(scales.shape)} scales, "
                              f"which do not make a {fmt.name} tensor of shape {shape}")
     grouped = ints.float().reshape(channels, groups, -1) * scales.float().unsqueeze(-1)
-    moved = [shape[axis]] + [s for i, s in enumerate(shape) if i != axis]
-    return grouped.reshape(moved).movedim(0, axis).to(dtype).contiguous()
+    return channels_back(grouped, shape, axis).to(dtype).contiguous()
 
 
 def fake_quantize(tensor: torch.Tensor, fmt: IntegerFormat, axis: int = 0) -> torch.Tensor:
@@ -166,9 +172,7 @@ def fake_quantize(tensor: torch.Tensor, fmt: IntegerFormat, axis: int = 0) -> to
     with torch.no_grad():
         grouped = _grouped(tensor, fmt, axis, "a tensor")
         scales = _best_scales(grouped, fmt, (1.0,))
-        rounded = (_rounded(grouped, scales, fmt) * scales).reshape(channels_first(tensor, axis).shape)
-        moved = [tensor.shape[axis]] + [size for i, size in enumerate(tensor.shape) if i != axis]
-        rounded = rounded.reshape(moved).movedim(0, axis).to(tensor.dtype)
+        rounded = channels_back(_rounded(grouped, scales, fmt) * scales, tensor.shape, axis).to(tensor.dtype)
     return tensor + (rounded - tensor).detach()
 
 

@@ -261,9 +261,10 @@ def open_session(model_name: str, options: TrainOptions) -> Session:
         set_dropout(model, options.dropout)
     # An integer checkpoint trains on its rounded factors (quantization-aware) and is written on the
     # same grid: its scales by each group's largest magnitude, as the forward passes rounded.
-    if integer_format_of(model) is not None:
+    grid = integer_format_of(model)
+    if grid is not None:
         model.config.quantization_config.round_as_trained()
-        train_on_the_grid(model, integer_format_of(model))
+        train_on_the_grid(model, grid)
     tokenizer = load_tokenizer(path, "comera train")
     teacher = _load_teacher(options, quantization, model) if objective == "distill" else None
     dense_params = quantization.get("dense_params") or sum(p.numel() for p in model.parameters())
