@@ -79,3 +79,12 @@ def test_quiet_prints_nothing_but_errors_and_json(converted, tmp_path):
 def test_no_progress_redraws_outside_a_terminal(converted):
     _, _, output = converted
     assert "converting" not in output and "loading" not in output
+
+
+def test_sizes_are_printed_in_the_binary_units_they_are_computed_in(converted):
+    _, out, _ = converted
+    output = run("report", out, env={"COLUMNS": "200"}).output
+    weights = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    kib = f"{weights / 1024:.1f} KiB"  # the tiny checkpoint is between 1 KiB and 1 MiB
+    assert kib in output, (kib, output)
+    assert " KB" not in output and " MB" not in output
