@@ -81,6 +81,18 @@ def test_integer_storage_from_the_command_line_counts_parameters_and_bytes(dense
     assert not (tmp_path / "x").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
+def test_codebook_width_halves_the_codes_and_gives_the_linears_the_bytes(dense_dir, tmp_path):
+    reports = {}
+    for width in (4, 8):
+        out = tmp_path / f"w{width}"
+        result = run("convert", dense_dir, "--ratio", "3", "--codebook-width", str(width), "--out", out)
+        assert result.exit_code == 0, result.output
+        table = comera_convert.from_pretrained(out).get_input_embeddings()
+        assert table.codes.shape == (table.num_embeddings, table.embedding_dim // width)
+        reports[width] = json.loads((out / "comera_report.json").read_text())
+    assert reports[8]["ratio"] >= 3 and reports[8]["shared_rank"] > reports[4]["shared_rank"]
+
+
 def test_recipe_and_overrides(dense_dir, tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("rank: 4\nlayout: ttm\n")
@@ -143,6 +155,8 @@ def test_bad_input_is_one_line_and_non_zero(dense_dir, tmp_path):
          ["'int3' is not a storage dtype", "float32, bfloat16, float16, int8, int4"]),
         (["convert", dense_dir, "--dtype", "bfloat16", "--group-size", "64", "--out", tmp_path / "o14"],
          ["--group-size applies to integer storage"]),
+        (["convert", dense_dir, "--codebook-width", "0", "--out", tmp_path / "o15"],
+         ["codebook_width as a positive integer", "got 0"]),
         (["convert", dense_dir, "--calibration", "englsh", "--out", tmp_path / "o13"],
          ["not a built-in corpus", "did you mean 'english'"]),
     ]

@@ -44,6 +44,9 @@ def _default_out(model: str, ratio, rank) -> str:
 @click.option("--word-embedding", type=click.Choice(WORD_EMBEDDINGS), default=None,
               help="The input embedding as a tt, or as a codebook table (one byte per 4 columns of a row, "
                    "shared centres) whose savings go to the linears [default: codebook with --ratio, tt with --rank].")
+@click.option("--codebook-width", type=int, default=None, metavar="N",
+              help="Columns per slice of a codebook table: each row stores one byte per N columns; 8 halves "
+                   "the codes' bytes (what --ratio 8 --dtype int4 needs for 32x) [default: 4].")
 @click.option("--modes", "d", type=int, default=None,
               help="Tensor modes per side, 1 (plain low-rank, a truncated SVD) to 4 [default: 3; 2 from --ratio 3 on; 1 from --ratio 4 on, 2 with ttm].")
 @click.option("--targets", default=None, help="Comma-separated module-name patterns to convert.")
@@ -88,7 +91,7 @@ def _default_out(model: str, ratio, rank) -> str:
 @click.option("--max-shard-size", default=None, metavar="SIZE",
               help="Split the weights into files of at most SIZE (e.g. 2GB), with an index [default: 50GB].")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of tables.")
-def convert(model, ratio, rank, layout, embedding_layout, word_embedding, d, targets, exclude, no_gates, calibration,
+def convert(model, ratio, rank, layout, embedding_layout, word_embedding, codebook_width, d, targets, exclude, no_gates, calibration,
             no_calibration, calibration_sequences, compensate, reconstruct_steps, reconstruct_lr, allocation,
             rank_multiple, dtype, group_size, device, recipe,
             task, out, overwrite, max_shard_size, as_json):
@@ -97,7 +100,7 @@ def convert(model, ratio, rank, layout, embedding_layout, word_embedding, d, tar
     from ..api import convert_checkpoint
 
     overrides = {"ratio": ratio, "rank": rank, "layout": layout, "embedding_layout": embedding_layout,
-                 "word_embedding": word_embedding, "d": d,
+                 "word_embedding": word_embedding, "codebook_width": codebook_width, "d": d,
                  "targets": _patterns(targets), "exclude": _patterns(exclude),
                  "gates": False if no_gates else None, "calibration": calibration,
                  "calibration_sequences": calibration_sequences, "allocation": allocation,
