@@ -20,6 +20,7 @@ from pathlib import Path
 from torch import nn
 
 from .conversion import Calibration, ConversionReport, ConvertOptions, calibrate, convert_modules
+from .conversion.converter import count_params
 from .conversion.report import lineage
 from .conversion.storage import cast_for_storage, integer_storage, round_in_place, storage_record
 from .hf.compat import mark_compressed, untie_converted_heads
@@ -268,8 +269,8 @@ def _sequential_calibration(model, streamed, path, options: ConvertOptions, toke
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path, "--calibration")
     candidates = find_candidates(model, options.targets, options.exclude, options.d)[0]
     began = time.perf_counter()
-    plan = plan_calibration(model, candidates, tokenizer, options.calibration, options.calibration_sequences,
-                            options.calibration_seq_len)
+    plan = plan_calibration(model, candidates, tokenizer, options.calibration,
+                            options.sequences_for(count_params(model)), options.calibration_seq_len)
     common = dict(reading_seconds=time.perf_counter() - began)
     if options.compensate or options.reconstruct_steps:  # reconstruction needs the compressed stream too
         reconstruct = (options.reconstruct_steps, options.reconstruct_lr) if options.reconstruct_steps else None
@@ -294,7 +295,7 @@ def _calibration(model, path, options: ConvertOptions, tokenizer=None):
     from .models import load_tokenizer
 
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path, "--calibration")
-    return calibrate(model, tokenizer, options.calibration, options.calibration_sequences,
+    return calibrate(model, tokenizer, options.calibration, options.sequences_for(count_params(model)),
                      options.calibration_seq_len, options.targets, options.exclude, options.d)
 
 

@@ -259,7 +259,12 @@ def test_default_calibration_is_english_and_no_calibration_is_plain(dense_dir, t
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "default" / "comera_report.json").read_text())
     calibration = report["extra"]["calibration"]
-    assert "of english" in calibration
+    assert "of english" in calibration and calibration.startswith("128 sequences")
+    # From --ratio 3 it compensates, on as many sequences as a model this small is allowed: 512.
+    compensated = run("convert", dense_dir, "--ratio", "3", "--out", tmp_path / "compensated")
+    assert compensated.exit_code == 0, compensated.output
+    report = json.loads((tmp_path / "compensated" / "comera_report.json").read_text())
+    assert report["extra"]["calibration"].startswith("512 sequences")
     plain = run("convert", dense_dir, "--ratio", "2", "--no-calibration", "--out", tmp_path / "plain")
     assert plain.exit_code == 0, plain.output
     assert "calibration" not in json.loads((tmp_path / "plain" / "comera_report.json").read_text())["extra"]

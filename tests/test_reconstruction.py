@@ -76,6 +76,20 @@ def test_reconstruction_follows_the_ratio_as_compensation_does():
     assert ConvertOptions(ratio=4, reconstruct_steps=0).reconstruct_steps == 0
 
 
+def test_calibration_sequences_follow_the_model_size_where_compensating():
+    compensating = ConvertOptions(ratio=4)
+    assert compensating.calibration_sequences is None
+    assert compensating.sequences_for(22_713_216) == 512  # MiniLM
+    assert compensating.sequences_for(109_482_240) == 144  # bert-base's shape
+    assert compensating.sequences_for(1_100_000_000) == 128  # a 1.1 B Llama: never below the default
+    assert compensating.sequences_for(1_000) == 512  # a tiny model: never above the cap
+    assert ConvertOptions(ratio=2).sequences_for(22_713_216) == 128  # no compensation below --ratio 3
+    assert ConvertOptions(ratio=4, compensate=False).sequences_for(22_713_216) == 128
+    assert ConvertOptions(ratio=4, calibration_sequences=64).sequences_for(22_713_216) == 64  # as asked
+    with pytest.raises(ConfigError, match="calibration_sequences as a positive integer"):
+        ConvertOptions(ratio=4, calibration_sequences=0)
+
+
 def test_a_model_that_cannot_stream_block_by_block_says_reconstruction_was_skipped(tmp_path):
     _with_tokenizer(tmp_path, "bert")  # the sensitivity allocation converts a model loaded whole
     result = convert_checkpoint(str(tmp_path / "dense"), tmp_path / "out",

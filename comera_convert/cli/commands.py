@@ -58,7 +58,9 @@ def _default_out(model: str, ratio, rank) -> str:
                    "[default: english].")
 @click.option("--no-calibration", is_flag=True, default=False,
               help="Plain TT-SVD of the weights, no calibration text (keeps far less of the model).")
-@click.option("--calibration-sequences", type=int, default=None, help="Calibration sequences [default: 128].")
+@click.option("--calibration-sequences", type=int, default=None,
+              help="Calibration sequences [default: 128; from --ratio 3, where compensating, as many as the "
+                   "model's size allows, up to 512: MiniLM 512, a bert-base 144, 1 B parameters 128].")
 @click.option("--compensate/--no-compensate", default=None,
               help="Fit each layer to the inputs the compressed layers before it produce, not to the dense "
                    "model's (calibrating block by block) [default: from --ratio 3 on].")

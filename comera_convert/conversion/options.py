@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from ..errors import ConfigError, expected
 from ..option_files import from_mapping
 from ..tt.spec import LAYOUTS
-from .calibration import BATCH as CALIBRATION_BATCH
+from .calibration import BATCH as CALIBRATION_BATCH, DEFAULT_SEQUENCES
 from .storage import check_storage
 
 ALLOCATIONS = ("uniform", "measured", "sensitivity")
@@ -23,7 +23,10 @@ TWO_MODES_FROM_RATIO = 3.0
 # minutes of recipes/train-minilm-distill.yaml end at held-out loss 0.568 against 0.651 (3963
 # steps against 3663: two matrix products per layer instead of a contraction), recall@1 kept
 # 0.94 / 0.76 / 0.94 / 0.92 on english / code / man / Debian (400 pairs) against 0.91 / 0.62 /
-# 0.93 / 0.87 (BENCHMARKS.md, Recovery in CPU minutes). Only MiniLM was measured here.
+# 0.93 / 0.87 (BENCHMARKS.md, Recovery in CPU minutes). At --ratio 8 (reconstruction on), two
+# modes keep less cosine on every domain right after conversion: 0.513 / 0.415 / 0.381 / 0.392
+# against 0.534 / 0.437 / 0.407 / 0.421 (BENCHMARKS.md, Conversion where the linears carry the
+# cut). Only MiniLM was measured here.
 ONE_MODE_FROM_RATIO = 4.0
 # Error compensation pays where the compression error is large: all-MiniLM-L6-v2 at --ratio 4
 # kept 0.72-0.74 of dense recall@1 on three natural-language domains instead of 0.49-0.62, at
@@ -36,6 +39,21 @@ COMPENSATE_FROM_RATIO = 3.0
 # 0.698, cosine 0.534 / 0.437 / 0.407 / 0.421 (from 0.643 / 0.476 / 0.752 / 0.690 and 0.511 / 0.410 /
 # 0.380 / 0.390). About 25 s more for MiniLM on 2 cores (BENCHMARKS.md, Conversion at --ratio 6 and 8).
 RECONSTRUCT_STEPS = 100
+# Calibration sequences where compensation is on and none were asked for: more text keeps more of
+# every held-out domain at both ratios measured. all-MiniLM-L6-v2 (reconstruction on), mean cosine
+# of held-out english / code / man / Debian embeddings to the dense ones: --ratio 8 with 128
+# sequences 0.534 / 0.437 / 0.407 / 0.421, 256 0.559 / 0.472 / 0.414 / 0.426, 512 0.588 / 0.500 /
+# 0.441 / 0.466; --ratio 4 with 128 0.706 / 0.611 / 0.593 / 0.607, 512 0.750 / 0.670 / 0.644 /
+# 0.660 (BENCHMARKS.md, Conversion where the linears carry the cut). The calibration's passes cost
+# tokens x parameters (a bert-base-shaped encoder converts in 305 s on two cores with 160
+# sequences and 650 s with 512, about 1 s a sequence), and its two streams' activations are what a
+# calibrated streaming conversion holds beyond one block: a model gets the sequences (of
+# calibration_seq_len tokens) this many parameter-tokens buy, between DEFAULT_SEQUENCES and
+# MAX_CALIBRATION_SEQUENCES: MiniLM (22.7 M parameters) 512, a bert-base-shaped encoder (110 M)
+# 144 (its conversion within 5 minutes), a 1.1 B Llama 128 (its calibrated streaming peak is 0.92x
+# its checkpoint with 128: BENCHMARKS.md, Streaming conversion).
+CALIBRATION_PARAM_TOKENS = 144 * 128 * 110_000_000
+MAX_CALIBRATION_SEQUENCES = 512
 WORD_EMBEDDINGS = ("tt", "codebook")
 # Reconstruction holds out the last calibration batch and trains on the others.
 RECONSTRUCTION_HELD_OUT = CALIBRATION_BATCH
@@ -78,7 +96,9 @@ class ConvertOptions:
     # Data-aware conversion: text whose activations weight each layer's decomposition (a data
     # source as `comera train --data` takes, e.g. "python-stdlib"); None = plain TT-SVD.
     calibration: str | None = None
-    calibration_sequences: int = 128
+    # Sequences of calibration text; None: DEFAULT_SEQUENCES, or where compensating as many as the
+    # model's size allows (``sequences_for``, CALIBRATION_PARAM_TOKENS).
+    calibration_sequences: int | None = None
     calibration_seq_len: int = 128
     # Calibrating block by block (`comera convert` of a safetensors checkpoint), fit each linear
     # layer to the inputs the already compressed layers before it produce, so that errors do not
@@ -169,6 +189,8 @@ class ConvertOptions:
                               f"not apply to a fixed --rank {self.rank}")
         for name in ("calibration_sequences", "calibration_seq_len", "rank_multiple"):
             value = getattr(self, name)
+            if name == "calibration_sequences" and value is None:
+                continue  # chosen by the model's size (sequences_for)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(expected(f"{name} as a positive integer", value))
         if self.rank_multiple != 1 and self.rank is not None:
@@ -191,7 +213,7 @@ class ConvertOptions:
             self.compensate = self.rank is None and self.ratio >= COMPENSATE_FROM_RATIO
         if self.reconstruct_steps is None:  # on where compensation is, given the sequences it holds out
             on = (self.rank is None and self.ratio >= COMPENSATE_FROM_RATIO
-                  and self.calibration_sequences >= RECONSTRUCTION_MIN_SEQUENCES)
+                  and (self.calibration_sequences or DEFAULT_SEQUENCES) >= RECONSTRUCTION_MIN_SEQUENCES)
             self.reconstruct_steps = RECONSTRUCT_STEPS if on else 0
         if not isinstance(self.compensate, bool):
             raise ConfigError(expected("compensate as true or false", self.compensate))
@@ -226,10 +248,22 @@ class ConvertOptions:
             raise ConfigError(expected("reconstruct_lr as a positive number", lr))
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise ConfigError(expected("reconstruct_steps as a whole number of steps (0: off)", steps))
-        if steps and self.calibration is not None and self.calibration_sequences < RECONSTRUCTION_MIN_SEQUENCES:
+        sequences = self.calibration_sequences or DEFAULT_SEQUENCES
+        if steps and self.calibration is not None and sequences < RECONSTRUCTION_MIN_SEQUENCES:
             raise ConfigError(f"reconstruction holds out {RECONSTRUCTION_HELD_OUT} calibration sequences to check "
                               f"each block and trains on the rest: give at least {RECONSTRUCTION_MIN_SEQUENCES} "
                               f"(--calibration-sequences {self.calibration_sequences})")
+
+    def sequences_for(self, params: int) -> int:
+        """Calibration sequences for a model of ``params`` parameters: those asked for; where
+        compensating, as many as CALIBRATION_PARAM_TOKENS buy (DEFAULT_SEQUENCES to
+        MAX_CALIBRATION_SEQUENCES); else DEFAULT_SEQUENCES."""
+        if self.calibration_sequences is not None:
+            return self.calibration_sequences
+        if not self.compensate:
+            return DEFAULT_SEQUENCES
+        affordable = CALIBRATION_PARAM_TOKENS // max(1, params * self.calibration_seq_len)
+        return max(DEFAULT_SEQUENCES, min(MAX_CALIBRATION_SEQUENCES, affordable))
 
     @classmethod
     def from_dict(cls, data: dict, origin: str = "options") -> "ConvertOptions":
