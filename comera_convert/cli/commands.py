@@ -93,9 +93,9 @@ def _default_out(model: str, ratio, rank) -> str:
 @click.option("--max-shard-size", default=None, metavar="SIZE",
               help="Split the weights into files of at most SIZE (e.g. 2GB), with an index [default: 50GB].")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of tables.")
-def convert(model, ratio, rank, layout, embedding_layout, word_embedding, codebook_width, d, targets, exclude, no_gates, calibration,
-            no_calibration, calibration_sequences, compensate, reconstruct_steps, reconstruct_lr, allocation,
-            rank_multiple, dtype, group_size, device, recipe,
+def convert(model, ratio, rank, layout, embedding_layout, word_embedding, codebook_width, d, targets, exclude,
+            no_gates, calibration, no_calibration, calibration_sequences, compensate, reconstruct_steps,
+            reconstruct_lr, allocation, rank_multiple, dtype, group_size, device, recipe,
             task, out, overwrite, max_shard_size, as_json):
     """Convert MODEL (directory, hub id or alias such as minilm, bert-base) to a TT checkpoint."""
     from ..recipes import convert_options

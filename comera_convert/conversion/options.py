@@ -50,8 +50,8 @@ RECONSTRUCT_STEPS = 100
 # calibrated streaming conversion holds beyond one block: a model gets the sequences (of
 # calibration_seq_len tokens) this many parameter-tokens buy, between DEFAULT_SEQUENCES and
 # MAX_CALIBRATION_SEQUENCES: MiniLM (22.7 M parameters) 512, a bert-base-shaped encoder (110 M)
-# 144 (its conversion in 293 s, within 5 minutes), a 1.1 B Llama 128 (its calibrated streaming peak is 0.92x
-# its checkpoint with 128: BENCHMARKS.md, Streaming conversion).
+# 144 (its conversion in 293 s, within 5 minutes), a 1.1 B Llama 128 (its calibrated streaming
+# peak is 0.92x its checkpoint with 128: BENCHMARKS.md, Streaming conversion).
 CALIBRATION_PARAM_TOKENS = 144 * 128 * 110_000_000
 MAX_CALIBRATION_SEQUENCES = 512
 WORD_EMBEDDINGS = ("tt", "codebook")
@@ -213,7 +213,7 @@ class ConvertOptions:
             self.compensate = self.rank is None and self.ratio >= COMPENSATE_FROM_RATIO
         if self.reconstruct_steps is None:  # on where compensation is, given the sequences it holds out
             on = (self.rank is None and self.ratio >= COMPENSATE_FROM_RATIO
-                  and (self.calibration_sequences or DEFAULT_SEQUENCES) >= RECONSTRUCTION_MIN_SEQUENCES)
+                  and self.fewest_sequences >= RECONSTRUCTION_MIN_SEQUENCES)
             self.reconstruct_steps = RECONSTRUCT_STEPS if on else 0
         if not isinstance(self.compensate, bool):
             raise ConfigError(expected("compensate as true or false", self.compensate))
@@ -248,11 +248,15 @@ class ConvertOptions:
             raise ConfigError(expected("reconstruct_lr as a positive number", lr))
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise ConfigError(expected("reconstruct_steps as a whole number of steps (0: off)", steps))
-        sequences = self.calibration_sequences or DEFAULT_SEQUENCES
-        if steps and self.calibration is not None and sequences < RECONSTRUCTION_MIN_SEQUENCES:
+        if steps and self.calibration is not None and self.fewest_sequences < RECONSTRUCTION_MIN_SEQUENCES:
             raise ConfigError(f"reconstruction holds out {RECONSTRUCTION_HELD_OUT} calibration sequences to check "
                               f"each block and trains on the rest: give at least {RECONSTRUCTION_MIN_SEQUENCES} "
                               f"(--calibration-sequences {self.calibration_sequences})")
+
+    @property
+    def fewest_sequences(self) -> int:
+        """The fewest calibration sequences any model gets with these options (``sequences_for``)."""
+        return self.calibration_sequences or DEFAULT_SEQUENCES
 
     def sequences_for(self, params: int) -> int:
         """Calibration sequences for a model of ``params`` parameters: those asked for; where

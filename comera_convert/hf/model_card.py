@@ -85,8 +85,8 @@ def _with_source(text: str, source: SourceCard | None) -> str:
 
 def human_bytes(n: float) -> str:
     """``n`` bytes in binary units, named as such (1 MiB = 1024 KiB = 1,048,576 bytes)."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return f"{n:.1f} GiB"
