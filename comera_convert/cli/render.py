@@ -92,6 +92,8 @@ def totals_table(report, disk_bytes: int | None = None) -> Table:
     if "allocation" in extra:
         multiple = f", multiples of {extra['rank_multiple']}" if extra.get("rank_multiple") else ""
         table.add_row("rank allocation", extra["allocation"].split(":")[0] + multiple)
+    if extra.get("layers_cut"):
+        table.add_row("factorized layers cut", f"{extra['layers_cut']:.2f}x (the defaults follow it)")
     if "calibration" in extra:
         table.add_row("calibration", extra["calibration"])
     if extra.get("reconstruction"):
@@ -160,7 +162,9 @@ def reconstruction_text(fits: list[dict]) -> str:
     many kept it."""
     kept = sum(fit["kept"] for fit in fits)
     errors = ", ".join(f"{fit['error_before']:.3f}->{fit['error_after']:.3f}" for fit in fits)
-    return f"held-out cosine distance to the dense outputs per block {errors} ({kept} of {len(fits)} blocks tuned)"
+    steps = f", {fits[0]['steps']} steps each" if "steps" in fits[0] else ""  # older reports lack it
+    return (f"held-out cosine distance to the dense outputs per block {errors} "
+            f"({kept} of {len(fits)} blocks tuned{steps})")
 
 
 def compare_table(infos, width: int) -> Table:

@@ -96,6 +96,11 @@ def codebook_tables(model: nn.Module, candidates, options: ConvertOptions) -> fr
     (``TiedTTHead``), so tied tables are codebooks too."""
     if options.word_embedding != "codebook":
         return frozenset()
+    return input_embedding_names(model, candidates)
+
+
+def input_embedding_names(model: nn.Module, candidates) -> frozenset[str]:
+    """The candidates that are the model's input embedding (none where it has no such accessor)."""
     try:
         table = model.get_input_embeddings()
     except (AttributeError, NotImplementedError):

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import InitVar, asdict, dataclass
 
 from ..errors import ConfigError, expected
 from ..option_files import from_mapping
@@ -12,26 +13,52 @@ from .calibration import BATCH as CALIBRATION_BATCH, DEFAULT_SEQUENCES
 from .storage import check_storage
 
 ALLOCATIONS = ("uniform", "measured", "sensitivity")
-# From this ratio on, two modes per side are the default. all-MiniLM-L6-v2 calibrated on english,
-# share of the dense model's retrieval recall@1 kept on held-out pairs (english, code, man pages,
-# Debian descriptions): at --ratio 4 two modes keep 0.49 / 0.38 / 0.62 / 0.61 against three modes'
-# 0.43 / 0.33 / 0.46 / 0.53; at --ratio 2 three modes are the better (BENCHMARKS.md, Quality).
-TWO_MODES_FROM_RATIO = 3.0
-# From this ratio on, one mode per side (a plain low-rank factorization, whitened by the
-# calibration) is the default: all-MiniLM-L6-v2 at --ratio 4 with the codebook table and
-# compensation keeps about what two modes keep right after conversion, and trains better: 30
-# minutes of recipes/train-minilm-distill.yaml end at held-out loss 0.568 against 0.651 (3963
-# steps against 3663: two matrix products per layer instead of a contraction), recall@1 kept
-# 0.94 / 0.76 / 0.94 / 0.92 on english / code / man / Debian (400 pairs) against 0.91 / 0.62 /
-# 0.93 / 0.87 (BENCHMARKS.md, Recovery in CPU minutes). At --ratio 8 (reconstruction on), two
-# modes keep less cosine on every domain right after conversion: 0.513 / 0.415 / 0.381 / 0.392
+# With a codebook word table (the default with --ratio), the modes per side, compensation and
+# reconstruction (and with them the calibration's size) follow how hard the ratio cuts the model's
+# factorized layers (``regime.layers_cut``), not the ratio itself: all-MiniLM-L6-v2, where they
+# were measured, keeps half its weights in a word table a codebook shrinks 14x, so its other
+# layers are cut 1.05x at --ratio 2, 1.63x at --ratio 3 and 2.28x at --ratio 4; a 768-wide encoder
+# (bert-base's shape) 1.62x at --ratio 2 and 3.36x at --ratio 4. The threshold sits between the
+# cuts of the MiniLM ratios it was measured at, so a model gets what MiniLM got where its layers
+# are cut as hard. With a TT table every layer is factorized and the cut is about the ratio: the
+# defaults follow the ratio as they were measured with TT tables (the *_FROM_RATIO thresholds).
+#
+# Modes per side with a codebook table and the tt layout: one (a plain low-rank factorization,
+# whitened by the calibration) at every cut measured. all-MiniLM-L6-v2, share of dense recall@1
+# kept / mean cosine on held-out english / code / man / Debian pairs (BENCHMARKS.md, Defaults by
+# the layers' cut): --ratio 2 (cut 1.05x) one mode 0.952 / 0.952 / 0.996 / 0.970, cosine 0.941 /
+# 0.929 / 0.937 / 0.937, three 0.944 / 0.857 / 0.977 / 0.985, cosine 0.933 / 0.918 / 0.926 / 0.927;
+# --ratio 3 (1.63x, compensating) one mode 0.912 / 0.810 / 0.912 / 0.881, cosine 0.824 / 0.754 /
+# 0.746 / 0.759, two 0.904 / 0.714 / 0.935 / 0.907, cosine 0.798 / 0.727 / 0.712 / 0.731, three
+# 0.876 / 0.857 / 0.950 / 0.892, cosine 0.796 / 0.718 / 0.709 / 0.723. At --ratio 4 one mode keeps
+# about what two keep right after conversion and trains better: 30 minutes of
+# recipes/train-minilm-distill.yaml end at held-out loss 0.568 against 0.651 (3963 steps against
+# 3663: two matrix products per layer instead of a contraction), recall@1 kept 0.94 / 0.76 / 0.94
+# / 0.92 against 0.91 / 0.62 / 0.93 / 0.87 (BENCHMARKS.md, Recovery in CPU minutes); at --ratio 8
+# (reconstruction on) two modes keep less cosine on every domain: 0.513 / 0.415 / 0.381 / 0.392
 # against 0.534 / 0.437 / 0.407 / 0.421 (BENCHMARKS.md, Conversion where the linears carry the
-# cut). Only MiniLM was measured here.
+# cut). A TT table (whose frequent-first rows need modes to sit in the leading slices) and a ttm
+# layout (which needs two or more) follow the ratio: three below TWO_MODES_FROM_RATIO, two from
+# it, one from ONE_MODE_FROM_RATIO with the tt layout (MiniLM with a TT table: at --ratio 4 two
+# modes kept 0.49 / 0.38 / 0.62 / 0.61 against three's 0.43 / 0.33 / 0.46 / 0.53, at --ratio 2
+# three the more; BENCHMARKS.md, Quality). A fixed --rank keeps CoMERA's three.
+TWO_MODES_FROM_RATIO = 3.0
 ONE_MODE_FROM_RATIO = 4.0
-# Error compensation pays where the compression error is large: all-MiniLM-L6-v2 at --ratio 4
-# kept 0.72-0.74 of dense recall@1 on three natural-language domains instead of 0.49-0.62, at
-# --ratio 2 0.81-0.85 instead of 0.84-0.86 (BENCHMARKS.md, Conversion routes side by side).
+# Error compensation (with reconstruction, where it is on) pays where the compression error is
+# large: all-MiniLM-L6-v2 at --ratio 4 kept 0.72-0.74 of dense recall@1 on three natural-language
+# domains instead of 0.49-0.62 (BENCHMARKS.md, Conversion routes side by side); at --ratio 3 (cut
+# 1.63x, as a bert-base's at --ratio 2) 0.912 / 0.810 / 0.912 / 0.881, cosine 0.824 / 0.754 / 0.746
+# / 0.759, against 0.795 / 0.762 / 0.844 / 0.832, cosine 0.694 / 0.606 / 0.627 / 0.638 without
+# (three modes, 128 sequences: what a bert-base got at --ratio 2 before); at --ratio 2 (cut 1.05x,
+# one mode) it lost cosine on every domain, 0.924 / 0.907 / 0.915 / 0.918 against 0.941 / 0.929 /
+# 0.937 / 0.937 (BENCHMARKS.md, Defaults by the layers' cut). On from this cut with a codebook
+# table (MiniLM from --ratio 2.8); with a TT table from COMPENSATE_FROM_RATIO (MiniLM with a TT
+# table at --ratio 2: 0.81-0.85 kept instead of 0.84-0.86).
+COMPENSATE_FROM_CUT = 1.5
 COMPENSATE_FROM_RATIO = 3.0
+# The options whose defaults depend on others (the ratio, the table, the model's cut): chosen
+# again when those change (``replace``, ``for_model``).
+DEPENDENT_DEFAULTS = ("d", "compensate", "reconstruct_steps")
 # Reconstruction's steps a block where it is on by default. all-MiniLM-L6-v2, share of dense
 # recall@1 kept / mean cosine on held-out english / code / man / Debian pairs, against the closed
 # form alone: --ratio 4 0.799 / 0.619 / 0.905 / 0.832, cosine 0.706 / 0.611 / 0.593 / 0.607 (from
@@ -39,6 +66,14 @@ COMPENSATE_FROM_RATIO = 3.0
 # 0.698, cosine 0.534 / 0.437 / 0.407 / 0.421 (from 0.643 / 0.476 / 0.752 / 0.690 and 0.511 / 0.410 /
 # 0.380 / 0.390). About 25 s more for MiniLM on 2 cores (BENCHMARKS.md, Conversion at --ratio 6 and 8).
 RECONSTRUCT_STEPS = 100
+# Reconstruction's cost grows with the compressed block: 100 steps took 11 s a block of a
+# bert-base-shaped encoder at --ratio 4 (2.1 M parameters compressed) and 21 s at --ratio 2 (4.4 M),
+# where the whole conversion then took 412 s on two cores (158 s without reconstruction; 317 s with
+# 50 steps). By default a compressed block of more than this many parameters gets proportionally
+# fewer steps (never under MIN_RECONSTRUCT_STEPS): a bert-base 75 at --ratio 4 and 36 at --ratio 2;
+# MiniLM's blocks (at most 1.1 M where it reconstructs) keep 100.
+RECONSTRUCTION_BLOCK_PARAMS = 1_600_000
+MIN_RECONSTRUCT_STEPS = 25
 # Calibration sequences where compensation is on and none were asked for: more text keeps more of
 # every held-out domain at both ratios measured. all-MiniLM-L6-v2 (reconstruction on), mean cosine
 # of held-out english / code / man / Debian embeddings to the dense ones: --ratio 8 with 128
@@ -50,8 +85,9 @@ RECONSTRUCT_STEPS = 100
 # calibrated streaming conversion holds beyond one block: a model gets the sequences (of
 # calibration_seq_len tokens) this many parameter-tokens buy, between DEFAULT_SEQUENCES and
 # MAX_CALIBRATION_SEQUENCES: MiniLM (22.7 M parameters) 512, a bert-base-shaped encoder (110 M)
-# 144 (its conversion in 293 s, within 5 minutes), a 1.1 B Llama 128 (its calibrated streaming
-# peak is 0.92x its checkpoint with 128: BENCHMARKS.md, Streaming conversion).
+# 144 (its conversion in 293 s with 100 reconstruction steps, 270 s with 75: within 5 minutes), a
+# 1.1 B Llama 128 (its calibrated streaming peak is 0.92x its checkpoint with 128: BENCHMARKS.md,
+# Streaming conversion).
 CALIBRATION_PARAM_TOKENS = 144 * 128 * 110_000_000
 MAX_CALIBRATION_SEQUENCES = 512
 WORD_EMBEDDINGS = ("tt", "codebook")
@@ -60,12 +96,25 @@ RECONSTRUCTION_HELD_OUT = CALIBRATION_BATCH
 RECONSTRUCTION_MIN_SEQUENCES = 2 * RECONSTRUCTION_HELD_OUT
 
 
-def default_modes(ratio: float | None, ttm: bool = False) -> int:
-    """Modes per side for a --ratio (None: a fixed --rank, CoMERA's three); a ttm layout needs two
-    or more (one ttm mode would be the dense matrix itself)."""
-    if ratio is None or ratio < TWO_MODES_FROM_RATIO:
+def default_modes(ratio: float | None, *, codebook: bool = False, ttm: bool = False) -> int:
+    """Modes per side for a --ratio (None: a fixed --rank, CoMERA's three): one with a ``codebook``
+    table and the tt layout, at every cut measured; else by the ratio, two or more with a ttm layout
+    (one ttm mode would be the dense matrix itself)."""
+    if ratio is None:
+        return 3
+    if codebook and not ttm:
+        return 1
+    if ratio < TWO_MODES_FROM_RATIO:
         return 3
     return 1 if ratio >= ONE_MODE_FROM_RATIO and not ttm else 2
+
+
+def default_compensation(ratio: float | None, cut: float | None, *, codebook: bool) -> bool:
+    """Whether a --ratio (None: a fixed --rank) compensates by default: by the factorized layers'
+    ``cut`` with a codebook table, by the ratio with a TT table."""
+    if ratio is None:
+        return False
+    return cut >= COMPENSATE_FROM_CUT if codebook else ratio >= COMPENSATE_FROM_RATIO
 
 
 @dataclass
@@ -86,8 +135,9 @@ class ConvertOptions:
     embedding_layout: str = "tt"
     # Modes per side: CoMERA splits 768 and 3072 into 3 modes each. 1 is a plain low-rank
     # factorization: a truncated SVD (whitened when calibrated) with the same rank allocation.
-    # None picks by the ratio (default_modes): 3 below TWO_MODES_FROM_RATIO (and for a fixed
-    # --rank), 2 from it on, 1 from ONE_MODE_FROM_RATIO on.
+    # None picks (default_modes): 1 with a --ratio and a codebook table; with a TT table or a ttm
+    # layout 3 below TWO_MODES_FROM_RATIO, 2 from it, 1 from ONE_MODE_FROM_RATIO (tt layout); 3 with
+    # a fixed --rank.
     d: int | None = None
     targets: list[str] | None = None
     exclude: list[str] | None = None
@@ -103,15 +153,15 @@ class ConvertOptions:
     # Calibrating block by block (`comera convert` of a safetensors checkpoint), fit each linear
     # layer to the inputs the already compressed layers before it produce, so that errors do not
     # compound (hf/compensating.py). False: every layer fit to the dense model's inputs. None
-    # follows the ratio, as the modes do: on from COMPENSATE_FROM_RATIO, off below and for a
+    # follows the layers' cut, as the modes do: on from COMPENSATE_FROM_CUT, off below and for a
     # fixed --rank.
     compensate: bool | None = None
     # Block-wise reconstruction (hf/reconstruction.py): after the closed-form fit, each block's
     # factors, biases and norms are tuned for this many Adam steps (8 sequences each, at
     # reconstruct_lr, decayed to zero) to reproduce the dense block's outputs from the inputs the
     # compressed blocks before it give; kept only where it lowers the distance on a held-out
-    # calibration batch. 0: off. None follows the ratio, as compensation does: RECONSTRUCT_STEPS from
-    # COMPENSATE_FROM_RATIO on, off below and for a fixed --rank.
+    # calibration batch. 0: off. None follows the cut, as compensation does: RECONSTRUCT_STEPS from
+    # COMPENSATE_FROM_CUT on, off below and for a fixed --rank.
     reconstruct_steps: int | None = None
     reconstruct_lr: float = 1e-3
     # How --ratio's budget is split: "uniform" (one shared maximum rank), "measured" (per-kind rank
@@ -157,8 +207,12 @@ class ConvertOptions:
     # the host while a GPU does the arithmetic.
     device: str | None = None
     version: int = 1
+    # How hard the ratio cuts the factorized layers (``regime.layers_cut``), which compensation and
+    # reconstruction follow with a codebook table; given by ``for_model``. Until the model is known
+    # the ratio stands in for it (the cut of a model of linear layers alone). Kept as ``cut``.
+    layers_cut: InitVar[float | None] = None
 
-    def __post_init__(self):
+    def __post_init__(self, layers_cut: float | None = None):
         if self.rank is None and self.ratio is None:
             raise ConfigError("give a compression ratio or a rank")
         if self.rank is None:
@@ -174,8 +228,13 @@ class ConvertOptions:
             if getattr(self, name) not in LAYOUTS:
                 raise ConfigError(expected(f"{name} in {LAYOUTS}", getattr(self, name)))
         ttm = "ttm" in (self.layout, self.embedding_layout)
+        if self.word_embedding is None:
+            self.word_embedding = "codebook" if self.rank is None and self.allocation == "uniform" else "tt"
+        codebook = self.word_embedding == "codebook"
+        self._defaulted = frozenset(name for name in DEPENDENT_DEFAULTS if getattr(self, name) is None)
+        self.cut = None if self.rank is not None else layers_cut if layers_cut is not None else self.ratio
         if self.d is None:
-            self.d = default_modes(self.ratio if self.rank is None else None, ttm=ttm)
+            self.d = default_modes(self.ratio if self.rank is None else None, codebook=codebook, ttm=ttm)
         if self.d not in (1, 2, 3, 4):
             raise ConfigError(expected("d (modes per side) in (1, 2, 3, 4)", self.d))
         if self.d == 1 and ttm:
@@ -199,8 +258,6 @@ class ConvertOptions:
         if self.rank_multiple != 1 and self.allocation == "sensitivity":
             raise ConfigError("rank_multiple applies to the uniform and measured allocations; the "
                               "sensitivity allocation climbs its own ladder of ranks")
-        if self.word_embedding is None:
-            self.word_embedding = "codebook" if self.rank is None and self.allocation == "uniform" else "tt"
         if self.word_embedding not in WORD_EMBEDDINGS:
             raise ConfigError(expected(f"word_embedding in {WORD_EMBEDDINGS}", self.word_embedding))
         if self.word_embedding == "codebook" and self.allocation != "uniform":
@@ -209,11 +266,11 @@ class ConvertOptions:
         width = self.codebook_width
         if isinstance(width, bool) or not isinstance(width, int) or width < 1:
             raise ConfigError(expected("codebook_width as a positive integer (columns per slice)", width))
+        compensating = default_compensation(self.ratio if self.rank is None else None, self.cut, codebook=codebook)
         if self.compensate is None:
-            self.compensate = self.rank is None and self.ratio >= COMPENSATE_FROM_RATIO
+            self.compensate = compensating
         if self.reconstruct_steps is None:  # on where compensation is, given the sequences it holds out
-            on = (self.rank is None and self.ratio >= COMPENSATE_FROM_RATIO
-                  and self.fewest_sequences >= RECONSTRUCTION_MIN_SEQUENCES)
+            on = compensating and self.fewest_sequences >= RECONSTRUCTION_MIN_SEQUENCES
             self.reconstruct_steps = RECONSTRUCT_STEPS if on else 0
         if not isinstance(self.compensate, bool):
             raise ConfigError(expected("compensate as true or false", self.compensate))
@@ -252,6 +309,39 @@ class ConvertOptions:
             raise ConfigError(f"reconstruction holds out {RECONSTRUCTION_HELD_OUT} calibration sequences to check "
                               f"each block and trains on the rest: give at least {RECONSTRUCTION_MIN_SEQUENCES} "
                               f"(--calibration-sequences {self.calibration_sequences})")
+
+    def for_model(self, model) -> "ConvertOptions":
+        """These options with DEPENDENT_DEFAULTS chosen for ``model``'s shape: by how hard the ratio
+        cuts its factorized layers. What was given stays as given."""
+        if self.rank is not None:
+            return self
+        from .regime import layers_cut
+
+        cut = layers_cut(model, self.ratio, d=self.d, targets=self.targets, exclude=self.exclude,
+                         codebook=self.word_embedding == "codebook", codebook_width=self.codebook_width)
+        return self.replace(layers_cut=cut)
+
+    def replace(self, **changes) -> "ConvertOptions":
+        """These options with ``changes`` (and ``layers_cut``), the defaults that follow others
+        chosen again for the new values (``dataclasses.replace`` would keep the old choices)."""
+        return dataclasses.replace(self, **{**self.defaulted(), **changes})
+
+    def defaulted(self) -> dict:
+        """The options of DEPENDENT_DEFAULTS that the defaults filled in, each None: passed to the
+        constructor, they are chosen again."""
+        return {name: None for name in self._defaulted}
+
+    def reconstruct_steps_for(self, block_params: int) -> int:
+        """Reconstruction steps for blocks of ``block_params`` dense parameters: those asked for; by
+        default fewer where the compressed block (``block_params`` over the layers' cut) holds more
+        than RECONSTRUCTION_BLOCK_PARAMS, never under MIN_RECONSTRUCT_STEPS."""
+        steps = self.reconstruct_steps
+        if not steps or "reconstruct_steps" not in self._defaulted or not self.cut:
+            return steps
+        compressed = block_params / self.cut
+        if compressed <= RECONSTRUCTION_BLOCK_PARAMS:
+            return steps
+        return max(MIN_RECONSTRUCT_STEPS, int(steps * RECONSTRUCTION_BLOCK_PARAMS / compressed))
 
     @property
     def fewest_sequences(self) -> int:

@@ -9,8 +9,8 @@ from dataclasses import asdict, dataclass, field
 REPORT_FILE = "comera_report.json"
 # What stays true of a checkpoint after more training: how it was made and from what. Measurements
 # of the model as it was (`comera eval`'s figures, timings, an earlier training record) do not.
-LINEAGE_KEYS = ("calibration", "allocation", "rank_multiple", "reconstruction", "storage_dtype", "source_bytes",
-                "commands")
+LINEAGE_KEYS = ("calibration", "allocation", "rank_multiple", "layers_cut", "reconstruction", "storage_dtype",
+                "source_bytes", "commands")
 
 
 def fold_layer_numbers(name: str) -> str:

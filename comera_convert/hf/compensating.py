@@ -15,7 +15,8 @@ it (the dense copy, the compressed block) and its layers are written out.
 Measured on all-MiniLM-L6-v2 at --ratio 4 (BENCHMARKS.md, Conversion routes side by side): the
 share of dense recall@1 kept rose from 0.49-0.62 to 0.72-0.74 on three natural-language domains,
 two of which the calibration never read, and from 0.38 to 0.52 on code. At --ratio 2 it kept a
-little less than the dense fit, so it is on by default from --ratio 3 (``ConvertOptions``).
+little less than the dense fit, so it is on by default where the ratio cuts the factorized
+layers 1.5x or more (MiniLM from --ratio 2.8; ``ConvertOptions``, ``conversion/regime.py``).
 """
 
 from __future__ import annotations

@@ -39,10 +39,11 @@ class BlockFit:
     error_before: float
     error_after: float
     kept: bool
+    steps: int
 
     def to_dict(self) -> dict:
         return {"block": self.block, "error_before": round(self.error_before, 5),
-                "error_after": round(self.error_after, 5), "kept": self.kept}
+                "error_after": round(self.error_after, 5), "kept": self.kept, "steps": self.steps}
 
 
 def tunable(block: nn.Module) -> list[nn.Parameter]:
@@ -135,4 +136,4 @@ def reconstruct_block(block: nn.Module, index: int, inputs, targets, steps: int,
         logger.warning("block %d: reconstruction %s; kept the closed-form fit", index,
                        "diverged (a step was not finite)" if not finite else
                        f"did not lower the held-out distance to the dense outputs ({before:.4f} -> {after:.4f})")
-    return BlockFit(index, before, after if kept else before, kept)
+    return BlockFit(index, before, after if kept else before, kept, steps)
