@@ -80,8 +80,8 @@ def with_overrides(options: ConvertOptions | None, overrides: dict) -> ConvertOp
     given as an override replaces the default ratio."""
     if not overrides:
         return options or ConvertOptions()
-    # Only what was given is carried over: the defaults that depend on others (the modes per side on
-    # the layers' cut) are chosen for the final values.
+    # Only what was given is carried over: the defaults that depend on others (the modes on the ratio
+    # and the table, compensation on the layers' cut) are chosen for the final values.
     base = {**dataclasses.asdict(options), **options.defaulted()} if options is not None else {}
     if overrides.get("rank") is not None and "ratio" not in overrides:
         base["ratio"] = None

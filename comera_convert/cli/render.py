@@ -93,7 +93,7 @@ def totals_table(report, disk_bytes: int | None = None) -> Table:
         multiple = f", multiples of {extra['rank_multiple']}" if extra.get("rank_multiple") else ""
         table.add_row("rank allocation", extra["allocation"].split(":")[0] + multiple)
     if extra.get("layers_cut"):
-        table.add_row("factorized layers cut", f"{extra['layers_cut']:.2f}x (the defaults follow it)")
+        table.add_row("factorized layers cut", f"{extra['layers_cut']:.2f}x")
     if "calibration" in extra:
         table.add_row("calibration", extra["calibration"])
     if extra.get("reconstruction"):

@@ -3,10 +3,10 @@
 A ratio means different things on different shapes. all-MiniLM-L6-v2 keeps half of its weights
 in its word table, which a codebook holds 14x smaller, so at --ratio 4 its other layers shrink
 only 2.3x; a 768-wide encoder (bert-base's shape) keeps a fifth in its table, so at --ratio 4 its
-other layers shrink 3.4x, and at --ratio 2 1.6x, as hard as MiniLM's at --ratio 3. The modes per
-side, error compensation and block reconstruction were chosen on MiniLM by ratio; they follow this
-cut instead, so that a model gets the conversion measured where its layers are cut as hard
-(``ConvertOptions.for_model``).
+other layers shrink 3.4x, and at --ratio 2 1.6x, as hard as MiniLM's at --ratio 3. Error
+compensation and block reconstruction were chosen on MiniLM by ratio; with a codebook table they
+follow this cut instead, so that a model gets the conversion measured where its layers are cut as
+hard (``ConvertOptions.for_model``).
 
     layers_cut = dense weights of the factorized layers / what the ratio's budget leaves them
 
