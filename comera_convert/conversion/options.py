@@ -13,9 +13,8 @@ from .calibration import BATCH as CALIBRATION_BATCH, DEFAULT_SEQUENCES
 from .storage import check_storage
 
 ALLOCATIONS = ("uniform", "measured", "sensitivity")
-# With a codebook word table (the default with --ratio), the modes per side, compensation and
-# reconstruction (and with them the calibration's size) follow how hard the ratio cuts the model's
-# factorized layers (``regime.layers_cut``), not the ratio itself: all-MiniLM-L6-v2, where they
+# With a codebook word table (the default with --ratio), compensation and reconstruction (and
+# with them the calibration's size) follow how hard the ratio cuts the model's factorized layers (``regime.layers_cut``), not the ratio itself: all-MiniLM-L6-v2, where they
 # were measured, keeps half its weights in a word table a codebook shrinks 14x, so its other
 # layers are cut 1.05x at --ratio 2, 1.63x at --ratio 3 and 2.28x at --ratio 4; a 768-wide encoder
 # (bert-base's shape) 1.62x at --ratio 2 and 3.36x at --ratio 4. The threshold sits between the
@@ -153,8 +152,8 @@ class ConvertOptions:
     # Calibrating block by block (`comera convert` of a safetensors checkpoint), fit each linear
     # layer to the inputs the already compressed layers before it produce, so that errors do not
     # compound (hf/compensating.py). False: every layer fit to the dense model's inputs. None
-    # follows the layers' cut, as the modes do: on from COMPENSATE_FROM_CUT, off below and for a
-    # fixed --rank.
+    # (default_compensation): on from COMPENSATE_FROM_CUT with a codebook table, from
+    # COMPENSATE_FROM_RATIO with a TT table, off below and for a fixed --rank.
     compensate: bool | None = None
     # Block-wise reconstruction (hf/reconstruction.py): after the closed-form fit, each block's
     # factors, biases and norms are tuned for this many Adam steps (8 sequences each, at
@@ -232,9 +231,10 @@ class ConvertOptions:
             self.word_embedding = "codebook" if self.rank is None and self.allocation == "uniform" else "tt"
         codebook = self.word_embedding == "codebook"
         self._defaulted = frozenset(name for name in DEPENDENT_DEFAULTS if getattr(self, name) is None)
-        self.cut = None if self.rank is not None else layers_cut if layers_cut is not None else self.ratio
+        ratio = self.ratio if self.rank is None else None  # None: a fixed --rank
+        self.cut = None if ratio is None else layers_cut if layers_cut is not None else ratio
         if self.d is None:
-            self.d = default_modes(self.ratio if self.rank is None else None, codebook=codebook, ttm=ttm)
+            self.d = default_modes(ratio, codebook=codebook, ttm=ttm)
         if self.d not in (1, 2, 3, 4):
             raise ConfigError(expected("d (modes per side) in (1, 2, 3, 4)", self.d))
         if self.d == 1 and ttm:
@@ -266,7 +266,7 @@ class ConvertOptions:
         width = self.codebook_width
         if isinstance(width, bool) or not isinstance(width, int) or width < 1:
             raise ConfigError(expected("codebook_width as a positive integer (columns per slice)", width))
-        compensating = default_compensation(self.ratio if self.rank is None else None, self.cut, codebook=codebook)
+        compensating = default_compensation(ratio, self.cut, codebook=codebook)
         if self.compensate is None:
             self.compensate = compensating
         if self.reconstruct_steps is None:  # on where compensation is, given the sequences it holds out

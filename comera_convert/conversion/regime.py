@@ -21,6 +21,7 @@ import math
 from torch import nn
 
 from ..codebook import CodebookSpec
+from .converter import count_params, input_embedding_names
 from .targets import find_candidates
 
 
@@ -31,15 +32,13 @@ def layers_cut(model: nn.Module, ratio: float, *, d: int, targets=None, exclude=
     budget cannot hold what stays as it is (the allocation then says which ratio can be reached).
     ``codebook``: the input embedding is a codebook table of ``codebook_width`` columns per slice
     (its size fixed)."""
-    from .converter import count_params, input_embedding_names
-
     total = count_params(model)
     candidates = find_candidates(model, targets, exclude, d)[0]
-    tables = input_embedding_names(model, candidates) if codebook else frozenset()
-    factorized = sum(c.dense_params for c in candidates if c.name not in tables)
-    table_cost = sum(_codebook_params(c, codebook_width) for c in candidates if c.name in tables)
-    kept = total - factorized - sum(c.dense_params for c in candidates if c.name in tables)
-    budget = total / ratio - kept - table_cost
+    names = input_embedding_names(model, candidates) if codebook else frozenset()
+    tables = [c for c in candidates if c.name in names]
+    factorized = sum(c.dense_params for c in candidates if c.name not in names)
+    kept = total - factorized - sum(c.dense_params for c in tables)
+    budget = total / ratio - kept - sum(_codebook_params(c, codebook_width) for c in tables)
     if budget <= 0:
         return math.inf
     return factorized / budget if factorized else 1.0
