@@ -149,8 +149,16 @@ def worst_domain(domains: dict[str, dict]) -> str:
     return max(domains, key=lambda name: gap(domains[name]))
 
 
-MODEL2VEC_MISSING = ("Model2Vec baseline skipped: it needs model2vec's distillation, "
-                     "pip install 'model2vec[distill]' (which pins transformers below 5.4)")
+# model2vec's `distill` extra pins transformers below 5.4; its distillation itself needs only
+# skeletoken besides, and runs on transformers 5.24 (the `peers` extra installs the two).
+MODEL2VEC_MISSING = ("Model2Vec baseline skipped: it needs model2vec's distillation: "
+                     "pip install 'comera-convert[peers]' (model2vec and skeletoken)")
+
+
+def static_dims(stored_bytes: int, vocab_size: int, width: int) -> int:
+    """Model2Vec's width in ``stored_bytes``: one int8 per vocabulary entry and dimension, at most the
+    model's width."""
+    return max(1, min(width, round(stored_bytes / vocab_size)))
 
 
 class StaticBaseline:
@@ -162,7 +170,7 @@ class StaticBaseline:
     def __init__(self, source_path, stored_bytes: int, vocab_size: int, width: int):
         from model2vec.distill import distill
 
-        self.dims = max(1, min(width, round(stored_bytes / vocab_size)))
+        self.dims = static_dims(stored_bytes, vocab_size, width)
         self.model = distill(model_name=str(source_path), pca_dims=self.dims, device="cpu", quantize_to="int8")
         self.label = f"Model2Vec int8, {self.dims} dims"
         self.stored_bytes = vocab_size * self.dims
@@ -170,6 +178,10 @@ class StaticBaseline:
     def scores(self, pairs: list[tuple[str, str]]) -> dict:
         queries, documents = zip(*pairs)
         return retrieval_scores(*(torch.from_numpy(self.model.encode(list(texts))) for texts in (queries, documents)))
+
+    def kept(self, tasks: dict) -> dict:
+        """Per domain: its retrieval scores beside the dense model's (``retrieval.kept``)."""
+        return {name: kept(self.scores(task.pairs), task.dense) for name, task in tasks.items()}
 
 
 def static_baseline(source_path, stored_bytes: int, config) -> StaticBaseline | None:
@@ -268,9 +280,8 @@ def _peers(compressed, reference, path, source, config, tasks, per_domain, progr
         if static is None:
             notes.append(MODEL2VEC_MISSING)
         else:
-            results[static.label] = {
-                name: {"texts": len(task.pairs), "pairs": len(task.pairs), **kept(static.scores(task.pairs), task.dense)}
-                for name, task in tasks.items()}
+            results[static.label] = {name: {"texts": len(tasks[name].pairs), "pairs": len(tasks[name].pairs), **scores}
+                                     for name, scores in static.kept(tasks).items()}
             sizes[static.label] = {"parameters": static.stored_bytes, "bytes": static.stored_bytes}
     return {"baselines": results, "sizes": sizes, **({"notes": notes} if notes else {})}
 

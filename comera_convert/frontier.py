@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ConfigError
-from .evaluation import DEFAULT_DOMAINS, MODEL2VEC_MISSING, Task, _kind, domain_pairs, static_baseline
+from .evaluation import (DEFAULT_DOMAINS, MODEL2VEC_MISSING, Task, _kind, domain_pairs, static_baseline,
+                         static_dims)
 from .progress import Progress, no_progress
 from .retrieval import kept, model_retrieval, read_pairs
 
@@ -89,15 +90,20 @@ def size_frontier(models: list[str], pairs=(), texts: int = 200, seq_len: int = 
 
 def _static_points(source_path, byte_counts: list[int], config: dict, tasks: dict, notes: list[str],
                    progress) -> list[FrontierPoint]:
-    """Model2Vec distilled at each of ``byte_counts`` (skipped, with a note, where it is missing)."""
-    points = []
+    """Model2Vec distilled at each of ``byte_counts`` (skipped, with a note, where it is missing), once
+    per width (checkpoints of nearly the same bytes get the same one)."""
+    points, widths = [], set()
     for stored in byte_counts:
+        width = static_dims(stored, config["vocab_size"], config["hidden_size"])
+        if width in widths:
+            continue
+        widths.add(width)
         progress(f"distilling Model2Vec in {stored} bytes")
         static = static_baseline(source_path, stored, config)
         if static is None:
             notes.append(MODEL2VEC_MISSING)
             return points
-        shares = {name: kept(static.scores(task.pairs), task.dense)["recall_kept"] for name, task in tasks.items()}
+        shares = {name: scores["recall_kept"] for name, scores in static.kept(tasks).items()}
         points.append(FrontierPoint(static.label, "peer", static.stored_bytes, shares))
     return points
 

@@ -1,3 +1,4 @@
+import importlib.util
 import json
 
 import pytest
@@ -43,6 +44,7 @@ def saved(tmp_path, case, name=None, **convert):
         model = (tf.BertForMaskedLM if case == "bert-mlm" else tf.BertModel)(config)
     dense_dir = tmp_path / f"{case}-dense"
     model.save_pretrained(dense_dir)
+    tokenizer.save_pretrained(dense_dir)  # Model2Vec's distillation reads the source's tokenizer
     comera_convert.convert(model, source=str(dense_dir), **convert)
     path = tmp_path / (name or f"{case}-tt")
     model.save_pretrained(path)
@@ -134,11 +136,16 @@ def test_baselines_are_measured_on_the_same_domains(tmp_path, corpus):
     rounded = {"bfloat16 storage", "int8, a scale per row", "HQQ 4-bit, groups of 64", "HQQ 3-bit, groups of 64",
                "HQQ 2-bit, groups of 32"}
     assert set(metrics["baselines"]) - set(static) == rounded
+    sizes = metrics["sizes"]
     try:
         import model2vec.distill  # noqa: F401
     except ImportError:
         assert not static and metrics["notes"] == [MODEL2VEC_MISSING]
-    sizes = metrics["sizes"]
+    else:  # distilled in the compressed checkpoint's bytes: one int8 per token and dimension
+        dims = min(64, round(sizes["compressed"]["bytes"] / 30522))
+        assert static == [f"Model2Vec int8, {dims} dims"] and sizes[static[0]]["bytes"] == 30522 * dims
+        # Scored on the retrieval pairs (the built-in corpora's), not on the text domain's losses.
+        assert list(metrics["baselines"][static[0]]) == ["english", "python-stdlib"]
     dense = sizes["dense"]["bytes"]
     source = transformers.BertForMaskedLM.from_pretrained(tmp_path / "bert-mlm-dense")
     assert dense == 4 * sum(p.numel() for p in source.parameters())  # the tied head's table once
@@ -148,7 +155,7 @@ def test_baselines_are_measured_on_the_same_domains(tmp_path, corpus):
     assert dense / 4.2 < sizes["int8, a scale per row"]["bytes"] < dense / 3.5
     order = ["int8, a scale per row", "HQQ 4-bit, groups of 64", "HQQ 3-bit, groups of 64", "HQQ 2-bit, groups of 32"]
     assert [sizes[label]["bytes"] for label in order] == sorted((sizes[label]["bytes"] for label in order), reverse=True)
-    cosine = {label: min(d["mean_cosine"] for d in domains.values()) for label, domains in metrics["baselines"].items()}
+    cosine = {label: min(d["mean_cosine"] for d in metrics["baselines"][label].values()) for label in rounded}
     for label in ("bfloat16 storage", "int8, a scale per row"):  # rounding to 8 or more bits keeps the model
         assert cosine[label] > 0.99 and list(metrics["baselines"][label]) == list(metrics["domains"])
         for domain in metrics["baselines"][label].values():
@@ -208,11 +215,39 @@ def test_the_frontier_scores_checkpoints_and_peers_by_bytes(tmp_path):
     assert points[str(ints)]["bytes"] == (ints / "model.safetensors").stat().st_size
     assert points[str(ints)]["bytes"] < 0.4 * points[str(floats)]["bytes"]
     assert {"bfloat16 storage", "int8, a scale per row", "HQQ 2-bit, groups of 32"} <= set(points)
+    static = sorted(p["label"] for p in result["points"] if p["label"].startswith("Model2Vec"))
+    if importlib.util.find_spec("model2vec") is not None:  # one width per checkpoint's bytes
+        widths = {min(64, round(points[str(p)]["bytes"] / 30522)) for p in (floats, ints)}
+        assert static == sorted(f"Model2Vec int8, {w} dims" for w in widths)
     assert [p["bytes"] for p in result["points"]] == sorted((p["bytes"] for p in result["points"]), reverse=True)
     for point in result["points"]:
         assert set(point["kept"]) == set(result["domains"])
         assert point["mean_kept"] == pytest.approx(sum(point["kept"].values()) / 3)
     assert points["bfloat16 storage"]["mean_kept"] == pytest.approx(1.0, abs=0.15)
+
+
+def test_the_frontier_distils_model2vec_once_per_width(monkeypatch):
+    """Checkpoints of nearly the same bytes (a conversion and its recovered copy) share one peer."""
+    from types import SimpleNamespace
+
+    from comera_convert import frontier
+    from comera_convert.evaluation import static_dims
+
+    distilled = []
+
+    def fake_static_baseline(source, stored, config):
+        distilled.append(stored)
+        dims = static_dims(stored, config["vocab_size"], config["hidden_size"])
+        return SimpleNamespace(label=f"Model2Vec int8, {dims} dims", stored_bytes=dims * config["vocab_size"],
+                               kept=lambda tasks: {name: {"recall_kept": 0.5} for name in tasks})
+
+    monkeypatch.setattr(frontier, "static_baseline", fake_static_baseline)
+    config = {"vocab_size": 1000, "hidden_size": 64}
+    points = frontier._static_points("src", [5000, 5100, 9000, 200000], config, {"english": None}, [],
+                                     lambda message: None)
+    assert distilled == [5000, 9000, 200000]  # 5100 bytes is 5 dims again; 200000 is capped at 64
+    assert [p.label for p in points] == ["Model2Vec int8, 5 dims", "Model2Vec int8, 9 dims",
+                                         "Model2Vec int8, 64 dims"]
 
 
 def test_the_frontier_command_prints_plots_and_refuses_mixed_sources(tmp_path):

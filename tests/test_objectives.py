@@ -35,3 +35,61 @@ def test_padding_tokens_do_not_count():
     for s in student:
         s[:, -1] += 10.0  # only where the mask is 0
     assert float(distill_loss(student, teacher, mask)) == pytest.approx(0.0, abs=1e-6)
+
+
+def tiny_bert(seed, layers=3):
+    import transformers
+
+    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
+                                     intermediate_size=64, vocab_size=100)
+    torch.manual_seed(seed)
+    return transformers.BertModel(config).eval()
+
+
+def test_block_states_feed_each_block_the_teacher_states_before_it():
+    """Block i of the student, fed the teacher's states, gives what a teacher with the student's
+    block i in place gives at layer i (the recorded states also match transformers' hidden_states)."""
+    from comera_convert.training.objectives import block_states
+
+    teacher, student = tiny_bert(0), tiny_bert(1)
+    batch = {"input_ids": torch.randint(5, 100, (2, 7)), "attention_mask": torch.ones(2, 7, dtype=torch.long)}
+    batch["attention_mask"][1, 5:] = 0
+    with torch.no_grad():
+        target = block_states(teacher, batch)
+        hidden = teacher(**batch, output_hidden_states=True).hidden_states
+        assert len(target.states) == len(hidden) == 4
+        assert all(torch.allclose(a, b) for a, b in zip(target.states, hidden))
+        fed = block_states(student, batch, feed=target.inputs)
+        own = student(**batch, output_hidden_states=True).hidden_states
+        assert torch.allclose(fed.states[0], own[0])  # the student's own embedding output
+        for index in range(3):
+            mixed = tiny_bert(0)
+            mixed.encoder.layer[index].load_state_dict(student.encoder.layer[index].state_dict())
+            expected = mixed(**batch, output_hidden_states=True).hidden_states[index + 1]
+            assert torch.allclose(fed.states[index + 1], expected, atol=1e-5)
+            assert not torch.allclose(fed.states[index + 1], own[index + 1], atol=1e-3)
+    assert not student.encoder.layer[0]._forward_pre_hooks  # the hooks are gone
+
+
+def test_blockwise_loss_is_zero_for_the_teacher_and_trains_each_block_alone():
+    from comera_convert.training.objectives import task_loss
+
+    teacher, student = tiny_bert(0), tiny_bert(1)
+    batch = {"input_ids": torch.randint(5, 100, (2, 7)), "attention_mask": torch.ones(2, 7, dtype=torch.long)}
+    assert float(task_loss("distill", teacher, batch, teacher, blockwise=True)) == pytest.approx(0.0, abs=1e-6)
+    loss = task_loss("distill", student.train(), batch, teacher, blockwise=True)
+    loss.backward()
+    # Each block's input is the teacher's, detached: block 0's loss reaches the embeddings, and every
+    # block gets a gradient of its own.
+    assert student.embeddings.word_embeddings.weight.grad is not None
+    assert all(layer.output.dense.weight.grad.abs().sum() > 0 for layer in student.encoder.layer)
+    assert all(p.grad is None for p in teacher.parameters())
+
+
+def test_blockwise_needs_a_teacher_as_deep_as_the_student():
+    from comera_convert.errors import ConfigError
+    from comera_convert.training.objectives import task_loss
+
+    batch = {"input_ids": torch.randint(5, 100, (2, 7))}
+    with pytest.raises(ConfigError, match="the student has 3 blocks, the teacher 2"):
+        task_loss("distill", tiny_bert(1), batch, tiny_bert(0, layers=2), blockwise=True)

@@ -173,6 +173,32 @@ def test_training_in_rank_multiples_exports_multiples(tmp_path, tokenizer, corpu
     assert pruned and all(a % 4 == 0 for a, _ in pruned), pruned
 
 
+def test_blockwise_distillation_trains_the_student_toward_the_teacher(tmp_path, tokenizer, corpus):
+    """--distill-mode block-wise: each block learns from the teacher's states; the held-out loss
+    (end to end, what the model does alone) falls and the cosine to the teacher rises."""
+    path = compressed(tmp_path, tokenizer, ratio=2)
+    options = TrainOptions(objective="distill", data=str(corpus), distill_mode="block-wise",
+                           **{**FAST, "lr_gates": 1e-3, "lr_cores": 5e-4, "early_steps": 12})
+    result = train(str(path), options, tmp_path / "out")
+    assert result.held_out_after < result.held_out_before
+    assert result.cosine_before < result.cosine_after
+    record = json.loads((tmp_path / "out" / "comera_report.json").read_text())["extra"]["training"]
+    assert record["options"]["distill_mode"] == "block-wise"
+
+
+def test_blockwise_distillation_is_refused_for_other_objectives_and_with_compile(tmp_path, tokenizer, corpus):
+    path = compressed(tmp_path, tokenizer)
+    options = TrainOptions(objective="mlm", data=str(corpus), distill_mode="block-wise", **FAST)
+    with pytest.raises(ConfigError, match="--distill-mode block-wise needs the distill objective; "
+                                          "this run trains with mlm"):
+        train(str(path), options, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ConfigError, match=r"distill_mode in \('end-to-end', 'block-wise'\).*got 'layer'"):
+        TrainOptions(distill_mode="layer")
+    with pytest.raises(ConfigError, match="--distill-mode block-wise with --compile"):
+        TrainOptions(distill_mode="block-wise", compile=True)
+
+
 def test_distill_objective_uses_the_recorded_teacher(tmp_path, tokenizer, corpus):
     path = compressed(tmp_path, tokenizer, ratio=2)
     options = TrainOptions(objective="distill", data=str(corpus),

@@ -6,7 +6,7 @@ import time
 
 import click
 
-from ..training.options import LR_SCHEDULERS, OBJECTIVES
+from ..training.options import DISTILL_MODES, LR_SCHEDULERS, OBJECTIVES
 from . import main
 from .commands import command_line
 from .console import console, echo_json, progress_console, show_library_logs
@@ -62,7 +62,7 @@ def _rich_progress_callback(total_steps: int, tokens_per_step: int | None, minut
 
 OPTION_NAMES = ["objective", "data", "steps", "minutes", "seq_len", "batch_size", "gradient_accumulation_steps",
                 "lr_cores", "lr_gates", "lr_rest", "beta", "tau", "rank_multiple", "early_steps", "target_ratio",
-                "teacher", "logging_steps", "save_steps", "seed", "warmup_steps", "lr_scheduler_type", "dropout",
+                "teacher", "distill_mode", "logging_steps", "save_steps", "seed", "warmup_steps", "lr_scheduler_type", "dropout",
                 "document_starts", "start_min_tokens", "gradient_checkpointing", "bf16", "compile", "fsdp"]
 
 
@@ -94,6 +94,9 @@ OPTION_NAMES = ["objective", "data", "steps", "minutes", "seq_len", "batch_size"
               help="Prune so that open ranks stay multiples of this, e.g. 8 for bf16 GPUs [default: 1].")
 @click.option("--early-steps", type=int, default=None, help="Steps of the early stage [default: 2/3 of steps].")
 @click.option("--teacher", default=None, help="Dense teacher for distill [default: the recorded source].")
+@click.option("--distill-mode", type=click.Choice(DISTILL_MODES), default=None,
+              help="Feed each student block the student's own states (end-to-end) or the teacher's "
+                   "(block-wise: each block learns its own map) [default: end-to-end].")
 @click.option("--logging-steps", type=int, default=None)
 @click.option("--save-steps", type=int, default=None)
 @click.option("--warmup-steps", type=int, default=None)

@@ -2,7 +2,9 @@
 
 mlm      masked LM (encoders); a base model gets an LM head whose decoder is tied to its embedding
 clm      causal LM (decoders)
-distill  match the dense teacher's hidden states, layer by layer, and its mean-pooled sentence embedding
+distill  match the dense teacher's hidden states, layer by layer, and its mean-pooled sentence embedding:
+         end to end (each student block reads the block before it), or block-wise (each student block
+         reads the teacher's hidden states before it, so each learns its own block's map)
 auto     the checkpoint's own: mlm for an encoder with its masked-LM head, clm for decoders, and
          distill (from the recorded source) for an encoder without an LM head, such as a sentence
          encoder saved as its base model
@@ -10,11 +12,14 @@ auto     the checkpoint's own: mlm for an encoder with its masked-LM head, clm f
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
 from ..hf.sentence_config import pool
+from ..hf.sequential import find_blocks, hidden_of
 
 
 def _supports(model_type: str, mapping_name: str) -> bool:
@@ -135,11 +140,90 @@ def distill_loss(student_states, teacher_states, mask) -> torch.Tensor:
     return loss
 
 
-def task_loss(objective: str, model, inputs: dict, teacher=None) -> torch.Tensor:
+def blockwise_distill_loss(student: "BlockStates", teacher: "BlockStates", mask) -> torch.Tensor:
+    """The mean relative MSE of every state (what the first block reads, then each block's output,
+    each block having read the teacher's states before it) + (1 - cosine) of the pooled last
+    hidden states."""
+    weight = mask.unsqueeze(-1).to(student.last.dtype)
+    pairs = list(zip(student.states, teacher.states))
+    loss = sum(_relative_mse(s, t, weight) for s, t in pairs) / len(pairs)
+    cosine = F.cosine_similarity(pool(student.last, mask), pool(teacher.last, mask), dim=-1)
+    return loss + (1 - cosine).mean()
+
+
+def model_blocks(model) -> torch.nn.ModuleList:
+    """The model's stack of blocks (under a DDP wrapper too), or a ConfigError naming the model."""
+    inner = getattr(model, "module", model)
+    name = find_blocks(inner)
+    if name is None:
+        raise ConfigError(f"block-wise distillation needs a stack of repeated blocks; "
+                          f"{type(inner).__name__} has none: use --distill-mode end-to-end")
+    return inner.get_submodule(name)
+
+
+@dataclass
+class BlockStates:
+    """A forward pass seen block by block: ``states`` is what the first block read, then each block's
+    output; ``last`` the model's last hidden state (after a final norm, where it has one)."""
+
+    states: list
+    last: torch.Tensor
+
+    @property
+    def inputs(self) -> list:
+        """What each block read (block i: states[i])."""
+        return self.states[:-1]
+
+
+def block_states(model, batch: dict, feed: list | None = None) -> BlockStates:
+    """Run ``model`` on ``batch``, recording its blocks' states by hooks (not ``output_hidden_states``,
+    whose first entry some transformers releases take from the first block's arguments); with
+    ``feed``, block i reads ``feed[i]`` in place of the state before it."""
+    stack = model_blocks(model)
+    states: list = []
+
+    def before(index):
+        def hook(module, args, kwargs):
+            if index == 0:
+                states.append(args[0] if args else kwargs["hidden_states"])
+            if feed is None:
+                return None
+            return ((feed[index], *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": feed[index]})
+        return hook
+
+    def after(module, args, output):
+        states.append(hidden_of(output))
+
+    hooks = [block.register_forward_pre_hook(before(i), with_kwargs=True) for i, block in enumerate(stack)]
+    hooks += [block.register_forward_hook(after) for block in stack]
+    try:
+        last = model(**batch).last_hidden_state
+    finally:
+        for handle in hooks:
+            handle.remove()
+    return BlockStates(states, last)
+
+
+def task_loss(objective: str, model, inputs: dict, teacher=None, blockwise: bool = False) -> torch.Tensor:
+    """The objective's loss; ``blockwise`` (distill only): every student block reads the teacher's
+    hidden states before it (``blockwise_distill_loss``)."""
     if objective in ("mlm", "clm"):
         return model(**inputs).loss
     batch = {k: v for k, v in inputs.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
     mask = batch.get("attention_mask", torch.ones_like(batch["input_ids"]))
+    if not blockwise:
+        with torch.no_grad():
+            target = teacher(**batch, output_hidden_states=True).hidden_states
+        return distill_loss(model(**batch, output_hidden_states=True).hidden_states, target, mask)
+    require_same_depth(model, teacher)
     with torch.no_grad():
-        target = teacher(**batch, output_hidden_states=True).hidden_states
-    return distill_loss(model(**batch, output_hidden_states=True).hidden_states, target, mask)
+        target = block_states(teacher, batch)
+    return blockwise_distill_loss(block_states(model, batch, feed=target.inputs), target, mask)
+
+
+def require_same_depth(student, teacher) -> None:
+    """Block-wise distillation feeds student block i the teacher's states before block i."""
+    depths = len(model_blocks(student)), len(model_blocks(teacher))
+    if depths[0] != depths[1]:
+        raise ConfigError(f"block-wise distillation needs a teacher as deep as the student: the student has "
+                          f"{depths[0]} blocks, the teacher {depths[1]}")

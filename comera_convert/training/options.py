@@ -15,6 +15,10 @@ from ..errors import ConfigError, expected
 from ..option_files import from_mapping
 
 OBJECTIVES = ("auto", "mlm", "clm", "distill")
+# How distillation feeds the student's blocks (training/objectives.py): end to end, each block reads
+# the student's own block before it; block-wise, each reads the teacher's hidden states before it,
+# so each block learns its own block's map and no error carries from one block to the next.
+DISTILL_MODES = ("end-to-end", "block-wise")
 # Learning-rate schedules after the warm-up (transformers' names). CoMERA trains at constant rates;
 # a decaying rate ends distillation on a settled model instead of a noisy iterate.
 LR_SCHEDULERS = ("constant", "linear", "cosine")
@@ -104,6 +108,7 @@ class TrainOptions:
     # activations are recomputed in backward instead of kept. Less memory, about a third more compute.
     gradient_checkpointing: bool = False
     teacher: str | None = None
+    distill_mode: str = "end-to-end"
     logging_steps: int = 10
     save_steps: int = 500
     eval_steps: int | None = None
@@ -120,6 +125,11 @@ class TrainOptions:
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
             raise ConfigError(expected(f"an objective in {OBJECTIVES}", self.objective))
+        if self.distill_mode not in DISTILL_MODES:
+            raise ConfigError(expected(f"a distill_mode in {DISTILL_MODES}", self.distill_mode))
+        if self.distill_mode == "block-wise" and self.compile:
+            raise ConfigError("--distill-mode block-wise with --compile: each step feeds the blocks new "
+                              "teacher states through hooks, which the CUDA graphs cannot hold (drop one of the two)")
         if self.lr_scheduler_type is not None and self.lr_scheduler_type not in LR_SCHEDULERS:
             raise ConfigError(expected(f"an lr_scheduler_type in {LR_SCHEDULERS}", self.lr_scheduler_type))
         for name in ("steps", "seq_len", "batch_size", "gradient_accumulation_steps", "logging_steps",

@@ -25,7 +25,8 @@ from ..models import load_tokenizer, read_config, resolve
 from ..retrieval import held_out_pairs, model_retrieval
 from ..text import Blocks, pack, shortened, text_length
 from .attention import use_training_attention
-from .objectives import BlockCollator, pick_objective, resolve_objective, task_for, task_loss
+from .objectives import (BlockCollator, pick_objective, require_same_depth, resolve_objective, task_for,
+                         task_loss)
 from .options import TrainOptions
 from .rank_control import RankController
 from .trainer import ComeraTrainer, truncated_copy
@@ -248,6 +249,9 @@ def open_session(model_name: str, options: TrainOptions) -> Session:
     quantization = _compression(config, model_name)
     objective, note = pick_objective(options.objective, config, options.teacher or quantization.get("source"))
     encoder = objective == "distill" and resolve_objective("auto", config) == "mlm"
+    if options.distill_mode != "end-to-end" and objective != "distill":
+        raise ConfigError(f"--distill-mode {options.distill_mode} needs the distill objective; "
+                          f"this run trains with {objective}")
     options = options.for_objective(objective, encoder)
     # Parameters the checkpoint lacks (a head or pooler the task adds) are initialized at random as
     # the model loads: seeded, so that a run is repeatable and every worker starts from the same
@@ -267,6 +271,8 @@ def open_session(model_name: str, options: TrainOptions) -> Session:
         train_on_the_grid(model, grid)
     tokenizer = load_tokenizer(path, "comera train")
     teacher = _load_teacher(options, quantization, model) if objective == "distill" else None
+    if options.distill_mode == "block-wise":
+        require_same_depth(model, teacher)
     dense_params = quantization.get("dense_params") or sum(p.numel() for p in model.parameters())
     return Session(path, objective, note, options, model, tokenizer, teacher,
                    RankController(model, options, dense_params), encoder)
