@@ -654,8 +654,8 @@ def test_non_finite_losses_skip_then_stop_keeping_the_last_checkpoint(tmp_path, 
     path = compressed(tmp_path, tokenizer)
     real = trainer_module.task_loss
 
-    def poisoned(objective, model, inputs, teacher=None):
-        loss = real(objective, model, inputs, teacher)
+    def poisoned(objective, model, inputs, teacher=None, **options):
+        loss = real(objective, model, inputs, teacher, **options)
         return loss * float("nan") if model.training and poisoned.calls_after_save() else loss
 
     state = {"n": 0}
