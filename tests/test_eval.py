@@ -155,7 +155,8 @@ def test_baselines_are_measured_on_the_same_domains(tmp_path, corpus):
     assert dense / 4.2 < sizes["int8, a scale per row"]["bytes"] < dense / 3.5
     order = ["int8, a scale per row", "HQQ 4-bit, groups of 64", "HQQ 3-bit, groups of 64", "HQQ 2-bit, groups of 32"]
     assert [sizes[label]["bytes"] for label in order] == sorted((sizes[label]["bytes"] for label in order), reverse=True)
-    cosine = {label: min(d["mean_cosine"] for d in metrics["baselines"][label].values()) for label in rounded}
+    cosine = {label: min(d["mean_cosine"] for d in metrics["baselines"][label].values())
+              for label in rounded}
     for label in ("bfloat16 storage", "int8, a scale per row"):  # rounding to 8 or more bits keeps the model
         assert cosine[label] > 0.99 and list(metrics["baselines"][label]) == list(metrics["domains"])
         for domain in metrics["baselines"][label].values():

@@ -62,8 +62,9 @@ def _rich_progress_callback(total_steps: int, tokens_per_step: int | None, minut
 
 OPTION_NAMES = ["objective", "data", "steps", "minutes", "seq_len", "batch_size", "gradient_accumulation_steps",
                 "lr_cores", "lr_gates", "lr_rest", "beta", "tau", "rank_multiple", "early_steps", "target_ratio",
-                "teacher", "distill_mode", "logging_steps", "save_steps", "seed", "warmup_steps", "lr_scheduler_type", "dropout",
-                "document_starts", "start_min_tokens", "gradient_checkpointing", "bf16", "compile", "fsdp"]
+                "teacher", "distill_mode", "logging_steps", "save_steps", "seed", "warmup_steps",
+                "lr_scheduler_type", "dropout", "document_starts", "start_min_tokens", "gradient_checkpointing",
+                "bf16", "compile", "fsdp"]
 
 
 @main.command()
