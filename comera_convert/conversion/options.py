@@ -14,7 +14,8 @@ from .storage import check_storage
 
 ALLOCATIONS = ("uniform", "measured", "sensitivity")
 # With a codebook word table (the default with --ratio), compensation and reconstruction (and
-# with them the calibration's size) follow how hard the ratio cuts the model's factorized layers (``regime.layers_cut``), not the ratio itself: all-MiniLM-L6-v2, where they
+# with them the calibration's size) follow how hard the ratio cuts the model's factorized layers
+# (``regime.layers_cut``), not the ratio itself: all-MiniLM-L6-v2, where they
 # were measured, keeps half its weights in a word table a codebook shrinks 14x, so its other
 # layers are cut 1.05x at --ratio 2, 1.63x at --ratio 3 and 2.28x at --ratio 4; a 768-wide encoder
 # (bert-base's shape) 1.62x at --ratio 2 and 3.36x at --ratio 4. The threshold sits between the

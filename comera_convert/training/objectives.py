@@ -180,6 +180,8 @@ def block_states(model, batch: dict, feed: list | None = None) -> BlockStates:
     whose first entry some transformers releases take from the first block's arguments); with
     ``feed``, block i reads ``feed[i]`` in place of the state before it."""
     stack = model_blocks(model)
+    if feed is not None:
+        check_depths(len(stack), len(feed))
     states: list = []
 
     def before(index):
@@ -215,15 +217,17 @@ def task_loss(objective: str, model, inputs: dict, teacher=None, blockwise: bool
         with torch.no_grad():
             target = teacher(**batch, output_hidden_states=True).hidden_states
         return distill_loss(model(**batch, output_hidden_states=True).hidden_states, target, mask)
-    require_same_depth(model, teacher)
     with torch.no_grad():
         target = block_states(teacher, batch)
     return blockwise_distill_loss(block_states(model, batch, feed=target.inputs), target, mask)
 
 
 def require_same_depth(student, teacher) -> None:
-    """Block-wise distillation feeds student block i the teacher's states before block i."""
-    depths = len(model_blocks(student)), len(model_blocks(teacher))
-    if depths[0] != depths[1]:
+    """Before training: block-wise distillation feeds student block i the teacher's states before block i."""
+    check_depths(len(model_blocks(student)), len(model_blocks(teacher)))
+
+
+def check_depths(student_blocks: int, teacher_blocks: int) -> None:
+    if student_blocks != teacher_blocks:
         raise ConfigError(f"block-wise distillation needs a teacher as deep as the student: the student has "
-                          f"{depths[0]} blocks, the teacher {depths[1]}")
+                          f"{student_blocks} blocks, the teacher {teacher_blocks}")
