@@ -15,9 +15,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from comera_convert.bench.models import LLAMA_1_1B
+
 SHAPES = {
-    "1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-                 num_key_value_heads=4, vocab_size=32000),
+    "1.1b": LLAMA_1_1B,  # as `comera bench train-step --model llama-1.1b` times it
     "125m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
                  num_key_value_heads=4, vocab_size=32000),
 }

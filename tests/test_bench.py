@@ -43,7 +43,7 @@ def test_layer_rows_carry_the_flop_model(quick_rows):
 def test_train_step_compares_against_dense_and_galore(quick_rows):
     measured = [r for r in quick_rows["rows"] if r["case"] == "train-step"]
     rows = {r["method"]: r for r in measured}
-    assert len(rows) == len(measured) and {r["shape"] for r in measured} == {"batch 2 x seq 32"}
+    assert len(rows) == len(measured) and {r["shape"] for r in measured} == {"tiny bert-base, batch 2 x seq 32"}
     plain = {"dense AdamW", "GaLore AdamW r128", "TT comera r30", "TT r30, tt embedding", "TT --ratio 4"}
     checkpointed = {"dense AdamW + checkpointing", "GaLore AdamW r128 + checkpointing", "TT comera r30 + checkpointing",
                     "TT r30, tt embedding + checkpointing"}
@@ -89,13 +89,34 @@ def test_bench_variant_option(tmp_path):
     result = runner.invoke(main, ["bench", "train-step", "--quick", "--variant", "dense AdamW", "--json", str(path)])
     assert result.exit_code == 0, result.output
     rows = json.loads(path.read_text())["rows"]
-    assert [(r["method"], r["shape"]) for r in rows] == [("dense AdamW", "batch 2 x seq 32")]
+    assert [(r["method"], r["shape"]) for r in rows] == [("dense AdamW", "tiny bert-base, batch 2 x seq 32")]
     assert all("error" not in r and r["peak_mb"] > 0 for r in rows)
     # Mistakes fail before anything runs, in one line.
     result = runner.invoke(main, ["bench", "--quick", "--variant", "TT r40"])
     assert result.exit_code == 1 and "(got 'TT r40')" in result.output and "bench:" not in result.output
     result = runner.invoke(main, ["bench", "layer", "--quick", "--variant", "TT --ratio 4"])
     assert result.exit_code == 1 and "--variant chooses train-step variants, and the cases are layer" in result.output
+
+
+def test_bench_train_step_of_a_llama(tmp_path):
+    """`--model llama-1.1b` times a causal LM's step (TinyLlama's shape, tiny under --quick): dense and its
+    --ratio 4 conversion, each loaded as the architecture its checkpoint records."""
+    runner = CliRunner(env={"COLUMNS": "200"})
+    path = tmp_path / "bench.json"
+    result = runner.invoke(main, ["bench", "train-step", "--quick", "--model", "llama-1.1b",
+                                  "--variant", "TT --ratio 4", "--json", str(path)])
+    assert result.exit_code == 0, result.output
+    rows = {r["method"]: r for r in json.loads(path.read_text())["rows"]}
+    assert set(rows) == {"dense AdamW", "TT --ratio 4"}
+    assert all("error" not in r and r["shape"] == "tiny llama-1.1b, batch 2 x seq 32" for r in rows.values()), rows
+    from comera_convert.bench.models import LLAMA_QUICK, training_model
+
+    dense = training_model("llama-1.1b", quick=True)
+    assert type(dense).__name__ == "LlamaForCausalLM" and dense.config.hidden_size == LLAMA_QUICK["hidden_size"]
+    assert rows["dense AdamW"]["params"] == sum(p.numel() for p in dense.parameters())
+    assert rows["TT --ratio 4"]["params"] < rows["dense AdamW"]["params"] / 3
+    result = runner.invoke(main, ["bench", "layer", "--quick", "--model", "llama-1.1b"])
+    assert result.exit_code == 1 and "--model chooses the train-step model, and the cases are layer" in result.output
 
 
 def test_bfloat16_training_step_keeps_float32_weights_under_autocast():

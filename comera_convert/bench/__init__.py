@@ -2,7 +2,7 @@
 
 timing   medians after warm-up (CUDA events), peak memory (CUDA allocator, or CPU peak RSS)
 layers   TTLinear vs nn.Linear vs tensorly-torch; TTEmbedding vs nn.Embedding vs a naive lookup
-models   a bert-base training step (dense, GaLore, TT), inference latency, conversion time
+models   a training step (bert-base or a 1.1 B Llama; dense, GaLore, TT), inference, conversion time
 child    one training-step variant in a fresh process
 """
 
@@ -34,16 +34,17 @@ def machine() -> str:
 
 
 def run(cases, device: str, dtype: torch.dtype, quick: bool, repeats: int, progress=None,
-        variants=None) -> list[dict]:
+        variants=None, model_name: str = "bert-base") -> list[dict]:
     """The rows of each case in turn; ``progress(message)`` hears of each case, and of each variant of
     the training step (minutes: one fresh process per variant); ``variants`` limits the training
-    step to those names and their dense baselines."""
+    step to those names and their dense baselines; ``model_name`` is the model whose training step
+    is timed (one of ``models.TRAIN_MODELS``)."""
     progress = progress or (lambda message: None)
     rows = []
     for name in cases:
         progress(name)
         case = CASES[name]
         if name == "train-step":
-            case = functools.partial(case, progress=progress, variants=variants)
+            case = functools.partial(case, progress=progress, variants=variants, model_name=model_name)
         rows.extend(case(device, dtype, quick, repeats))
     return rows

@@ -1,4 +1,5 @@
-"""Model-level cases: a full training step, inference latency, and conversion time (bert-base shapes).
+"""Model-level cases: a full training step (bert-base, or TinyLlama's 1.1 B shape), inference latency,
+and conversion time (bert-base shapes).
 
 Each training-step variant is saved to disk first, then loaded, timed and measured in a fresh
 subprocess (``python -m comera_convert.bench.child``), so that its peak memory is its own: weights,
@@ -48,6 +49,18 @@ def split_variant(variant: str) -> tuple[str, str]:
     return variant, ""
 
 
+# The models whose training step is timed (random weights, each with its language-model head):
+# bert-base as a masked LM, CoMERA's pre-training setting, and TinyLlama's shape as a causal LM, the
+# size where the linears' GEMMs, not the host, dominate a GPU's step.
+TRAIN_MODELS = ("bert-base", "llama-1.1b")
+# TinyLlama's shape: hidden 2048, intermediate 5632, 22 layers, 32 heads, 4 KV heads (1.1 B
+# parameters, its input and output embeddings untied).
+LLAMA_1_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                  num_key_value_heads=4, vocab_size=32000)
+LLAMA_QUICK = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=4096)
+
+
 def bert_config(quick: bool):
     from transformers import BertConfig
 
@@ -55,6 +68,19 @@ def bert_config(quick: bool):
         return BertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512,
                           vocab_size=4096)
     return BertConfig()  # bert-base: 12 layers, 768 hidden, 3072 FFN, 30522 vocab
+
+
+def training_model(name: str, quick: bool):
+    """A randomly initialized ``name`` (one of TRAIN_MODELS) with its language-model head, tiny under
+    ``quick``."""
+    if name == "llama-1.1b":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        shape = LLAMA_QUICK if quick else LLAMA_1_1B
+        return LlamaForCausalLM(LlamaConfig(max_position_embeddings=2048, tie_word_embeddings=False, **shape))
+    from transformers import BertForMaskedLM
+
+    return BertForMaskedLM(bert_config(quick))
 
 
 def train_step_variants(device: str) -> list[str]:
@@ -79,17 +105,18 @@ def chosen_variants(device: str, wanted=None) -> list[str]:
     return [v for v in everything if v in wanted or v in baselines]
 
 
-def save_variants(directory: Path, quick: bool, bases=TRAIN_VARIANTS) -> dict[str, str]:
-    """Random-weight checkpoints of the dense model and its TT conversions, by (base) variant."""
-    from transformers import BertForMaskedLM
-
+def save_variants(directory: Path, quick: bool, bases=TRAIN_VARIANTS, model_name: str = "bert-base",
+                  device: str = "cpu") -> dict[str, str]:
+    """Random-weight checkpoints of the dense model and its TT conversions, by (base) variant, each
+    initialized and converted on ``device`` (a 1.1 B model's TT-SVDs take seconds on a GPU)."""
     import comera_convert
     from comera_convert.hf.saving import save_compressed
 
     paths = {}
     for variant in bases:
         torch.manual_seed(0)
-        model = BertForMaskedLM(bert_config(quick))
+        with torch.device(device):
+            model = training_model(model_name, quick)
         path = directory / variant.replace(" ", "_").replace("-", "").replace(",", "")
         if variant in TT_CONVERSIONS:
             comera_convert.convert(model, **TT_CONVERSIONS[variant])
@@ -97,6 +124,9 @@ def save_variants(directory: Path, quick: bool, bases=TRAIN_VARIANTS) -> dict[st
         else:
             model.save_pretrained(path)
         paths[variant] = str(path)
+        del model
+        if device == "cuda":
+            torch.cuda.empty_cache()  # the children measure on the same GPU
     return paths
 
 
@@ -108,15 +138,16 @@ def load_variant(variant: str, path: str, device: str, capturable: bool = False)
     if variant in TT_CONVERSIONS:
         model = comera_convert.from_pretrained(path)
     else:
-        from transformers import BertForMaskedLM
+        from comera_convert.models import auto_class_for, read_config
 
-        model = BertForMaskedLM.from_pretrained(path)
+        model = auto_class_for(read_config(path)).from_pretrained(path)  # the recorded architecture
     model.to(device).train()
     if variant.startswith("GaLore"):
         from galore_torch import GaLoreAdamW
 
-        matrices = [p for n, p in model.named_parameters() if p.dim() == 2 and "embeddings" not in n
-                    and "decoder" not in n]
+        # GaLore projects the layers' matrices; the word table and the head train as usual.
+        tables = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
+        matrices = [p for p in model.parameters() if p.dim() == 2 and id(p) not in tables]
         ids = {id(p) for p in matrices}
         rest = [p for p in model.parameters() if id(p) not in ids]
         # GaLore's README settings: rank 128, projection refreshed every 200 steps, scale 0.25.
@@ -163,8 +194,10 @@ def train_step_child(variant: str, path: str, batch: int, seq: int, device: str,
     return {"variant": variant, "seconds": seconds, "peak_bytes": peak.bytes, "params": params}
 
 
-def train_step_case(device: str, dtype, quick: bool, repeats: int, progress=None, variants=None) -> list[dict]:
-    """``variants``: names to run (with their dense baselines); None runs every one."""
+def train_step_case(device: str, dtype, quick: bool, repeats: int, progress=None, variants=None,
+                    model_name: str = "bert-base") -> list[dict]:
+    """``variants``: names to run (with their dense baselines); None runs every one. ``model_name``:
+    one of TRAIN_MODELS."""
     progress = progress or (lambda message: None)
     seq = 32 if quick else 128
     # A full run measures a training batch and a single sequence; --quick one small batch (each
@@ -173,18 +206,20 @@ def train_step_case(device: str, dtype, quick: bool, repeats: int, progress=None
     variants = chosen_variants(device, variants)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        paths = save_variants(Path(tmp), quick, dict.fromkeys(split_variant(v)[0] for v in variants))
+        paths = save_variants(Path(tmp), quick, dict.fromkeys(split_variant(v)[0] for v in variants), model_name,
+                              device)
         for batch in batches:
             results = {}
             for number, variant in enumerate(variants, 1):
                 progress(f"train-step, batch {batch}: {variant} ({number}/{len(variants)})")
                 results[variant] = _run_child(variant, paths[split_variant(variant)[0]], batch, seq, device, dtype,
                                               repeats)
-            rows.extend(_train_rows(results, batch, seq, device, dtype))
+            shape = f"{'tiny ' if quick else ''}{model_name}, batch {batch} x seq {seq}"
+            rows.extend(_train_rows(results, shape, batch * seq, device, dtype))
     return rows
 
 
-def _train_rows(results: dict, batch: int, seq: int, device: str, dtype) -> list[dict]:
+def _train_rows(results: dict, shape: str, tokens: int, device: str, dtype) -> list[dict]:
     """Each variant against dense and GaLore run the same way (checkpointed with checkpointed, graphed
     with graphed), falling back to the plain baselines."""
     rows = []
@@ -193,11 +228,11 @@ def _train_rows(results: dict, batch: int, seq: int, device: str, dtype) -> list
         dense = results.get("dense AdamW" + suffix, results["dense AdamW"])
         galore = results.get("GaLore AdamW r128" + suffix, results.get("GaLore AdamW r128"))
         row = {"case": "train-step", "method": variant, "device": device, "dtype": training_dtype_name(dtype),
-               "shape": f"batch {batch} x seq {seq}", "params": result.get("params")}
+               "shape": shape, "params": result.get("params")}
         if "error" in result or "error" in dense:
             rows.append({**row, "error": result.get("error") or dense.get("error")})
             continue
-        row.update(ms=round(result["seconds"] * 1e3, 1), tokens_per_s=round(batch * seq / result["seconds"]),
+        row.update(ms=round(result["seconds"] * 1e3, 1), tokens_per_s=round(tokens / result["seconds"]),
                    peak_mb=round(result["peak_bytes"] / 2 ** 20, 1),
                    speed_vs_dense=round(dense["seconds"] / result["seconds"], 2),
                    memory_vs_dense=round(dense["peak_bytes"] / max(result["peak_bytes"], 1), 2))

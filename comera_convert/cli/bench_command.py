@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from . import main
+from ..bench.models import TRAIN_MODELS
 from .console import console, echo_json, progress_display
 
 CASE_NAMES = ("layer", "embedding", "train-step", "convert", "inference")
@@ -30,7 +31,11 @@ COLUMNS = ("method", "shape", "tokens", "ranks", "params_ratio", "flop_ratio", "
 @click.option("--variant", "variants", multiple=True, metavar="NAME",
               help="train-step: run only this variant and the dense baselines it is compared with "
                    "(repeatable), e.g. --variant 'TT --ratio 4 + CUDA graph'.")
-def bench(cases, quick, device, dtype, repeats, json_path, variants):
+@click.option("--model", "model_name", type=click.Choice(TRAIN_MODELS), default="bert-base", show_default=True,
+              help="train-step: the model whose step is timed, random weights: bert-base as a masked LM, or "
+                   "TinyLlama's 1.1 B shape as a causal LM (GPU-sized: about 18 GB of float32 weights, "
+                   "gradients and AdamW state).")
+def bench(cases, quick, device, dtype, repeats, json_path, variants, model_name):
     """Measure CASES (default: all): layer, embedding, train-step, convert, inference."""
     import torch
 
@@ -50,6 +55,8 @@ def bench(cases, quick, device, dtype, repeats, json_path, variants):
         if "train-step" not in cases:
             raise ConfigError(f"--variant chooses train-step variants, and the cases are {', '.join(cases)}")
         chosen_variants(device, variants)  # an unknown name fails now, not after the other cases
+    if model_name != "bert-base" and "train-step" not in cases:
+        raise ConfigError(f"--model chooses the train-step model, and the cases are {', '.join(cases)}")
     repeats = repeats or (2 if quick else 5)
     out = console()
     with progress_display() as update:
@@ -58,7 +65,8 @@ def bench(cases, quick, device, dtype, repeats, json_path, variants):
             if not out.is_terminal:  # a log file: one line per step, so a run cut short shows how far it got
                 out.print(f"bench: {message}", highlight=False)
 
-        rows = benchmarks.run(cases, device, getattr(torch, dtype), quick, repeats, progress, variants or None)
+        rows = benchmarks.run(cases, device, getattr(torch, dtype), quick, repeats, progress, variants or None,
+                              model_name)
     payload = {"machine": benchmarks.machine(), "torch": torch.__version__, "device": device,
                "dtype": dtype, "quick": quick, "rows": rows}
     if json_path == "-":
