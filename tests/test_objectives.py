@@ -93,3 +93,25 @@ def test_blockwise_needs_a_teacher_as_deep_as_the_student():
     batch = {"input_ids": torch.randint(5, 100, (2, 7))}
     with pytest.raises(ConfigError, match="the student has 3 blocks, the teacher 2"):
         task_loss("distill", tiny_bert(1), batch, tiny_bert(0, layers=2), blockwise=True)
+
+
+def test_the_cosine_state_distance_reads_each_tokens_direction():
+    """distill_states="cosine": 1 - cosine per token, averaged over the unmasked tokens; a token's
+    state scaled keeps its direction and costs nothing, where the relative MSE charges it."""
+    import torch.nn.functional as F
+
+    teacher = states(2, seed=0)
+    mask = torch.ones(2, 5, dtype=torch.long)
+    scaled = tuple(t * 3.0 for t in teacher)
+    assert float(distill_loss(scaled, teacher, mask, states="cosine")) == pytest.approx(0.0, abs=1e-6)
+    assert float(distill_loss(scaled, teacher, mask, states="relative-mse")) > 1.0
+    # Another middle layer only: the mean over the inner layers of its tokens' cosine distance.
+    student = teacher[:1] + (states(0, seed=3)[0],) + teacher[2:]
+    expected_middle = (1 - F.cosine_similarity(student[1], teacher[1], dim=-1)).mean()
+    assert float(distill_loss(student, teacher, mask, states="cosine")) == pytest.approx(float(expected_middle),
+                                                                                          rel=1e-5)
+    mask[:, -1] = 0
+    padded = tuple(t.clone() for t in teacher)
+    for s in padded:
+        s[:, -1] = -s[:, -1]  # opposite direction, only where the mask is 0
+    assert float(distill_loss(padded, teacher, mask, states="cosine")) == pytest.approx(0.0, abs=1e-6)

@@ -199,6 +199,58 @@ def test_blockwise_distillation_is_refused_for_other_objectives_and_with_compile
         TrainOptions(distill_mode="block-wise", compile=True)
 
 
+def test_distillation_by_each_states_cosine(tmp_path, tokenizer, corpus):
+    """--distill-states cosine trains toward the teacher (the held-out loss, the same distance, falls;
+    the embedding cosine rises) and is recorded; other objectives and unknown names are refused."""
+    path = compressed(tmp_path, tokenizer, ratio=2)
+    options = TrainOptions(objective="distill", data=str(corpus), distill_states="cosine",
+                           **{**FAST, "lr_cores": 5e-4, "early_steps": 12})
+    result = train(str(path), options, tmp_path / "out")
+    assert result.held_out_after < result.held_out_before
+    assert result.cosine_before < result.cosine_after
+    record = json.loads((tmp_path / "out" / "comera_report.json").read_text())["extra"]["training"]
+    assert record["options"]["distill_states"] == "cosine"
+    refusal = "--distill-states cosine needs the distill objective; this run trains with mlm"
+    with pytest.raises(ConfigError, match=refusal):
+        train(str(path), TrainOptions(objective="mlm", data=str(corpus), distill_states="cosine", **FAST),
+              tmp_path / "out2")
+    with pytest.raises(ConfigError, match=r"distill_states in \('relative-mse', 'cosine'\).*got 'l2'"):
+        TrainOptions(distill_states="l2")
+
+
+def test_distillation_matches_states_by_direction_where_the_conversion_cut_hard():
+    """Unset, distill_states follows the factorized layers' cut the checkpoint records: each token's
+    cosine from 3x (MiniLM's --ratio 6 and 8, a 768-wide encoder's --ratio 4), the relative MSE
+    below (MiniLM's --ratio 4), where nothing is recorded, and for the other objectives."""
+    from comera_convert.training.options import COSINE_STATES_FROM_CUT, default_distill_states
+
+    assert [default_distill_states(cut) for cut in (None, 2.28, COSINE_STATES_FROM_CUT, 3.36, 5.55)] == \
+        ["relative-mse", "relative-mse", "cosine", "cosine", "cosine"]
+    assert TrainOptions().for_objective("distill", layers_cut=5.55).distill_states == "cosine"
+    assert TrainOptions().for_objective("distill", layers_cut=2.28).distill_states == "relative-mse"
+    assert TrainOptions().for_objective("mlm", layers_cut=5.55).distill_states == "relative-mse"
+    chosen = TrainOptions(distill_states="relative-mse").for_objective("distill", layers_cut=5.55)
+    assert chosen.distill_states == "relative-mse"  # the user's choice stands
+
+
+def test_training_reads_the_recorded_cut(tmp_path, tokenizer, corpus):
+    path = compressed(tmp_path, tokenizer, ratio=2)
+    report_path = path / "comera_report.json"
+    report = json.loads(report_path.read_text())
+    report["extra"]["layers_cut"] = 4.0
+    report_path.write_text(json.dumps(report))
+    options = TrainOptions(objective="distill", data=str(corpus), **{**FAST, "steps": 4, "early_steps": 4})
+    train(str(path), options, tmp_path / "out")
+    record = json.loads((tmp_path / "out" / "comera_report.json").read_text())["extra"]
+    assert record["training"]["options"]["distill_states"] == "cosine" and record["layers_cut"] == 4.0
+    # Integer factors keep the relative MSE (measured level on the 32.6x int4 checkpoint).
+    report["extra"]["storage_dtype"] = "int4, groups of 128"
+    report_path.write_text(json.dumps(report))
+    from comera_convert.training.run import recorded_layers_cut
+
+    assert recorded_layers_cut(path) is None
+
+
 def test_distill_objective_uses_the_recorded_teacher(tmp_path, tokenizer, corpus):
     path = compressed(tmp_path, tokenizer, ratio=2)
     options = TrainOptions(objective="distill", data=str(corpus),

@@ -6,7 +6,7 @@ import time
 
 import click
 
-from ..training.options import DISTILL_MODES, LR_SCHEDULERS, OBJECTIVES
+from ..training.options import DISTILL_MODES, DISTILL_STATES, LR_SCHEDULERS, OBJECTIVES
 from . import main
 from .commands import command_line
 from .console import console, echo_json, progress_console, show_library_logs
@@ -62,7 +62,7 @@ def _rich_progress_callback(total_steps: int, tokens_per_step: int | None, minut
 
 OPTION_NAMES = ["objective", "data", "steps", "minutes", "seq_len", "batch_size", "gradient_accumulation_steps",
                 "lr_cores", "lr_gates", "lr_rest", "beta", "tau", "rank_multiple", "early_steps", "target_ratio",
-                "teacher", "distill_mode", "logging_steps", "save_steps", "seed", "warmup_steps",
+                "teacher", "distill_mode", "distill_states", "logging_steps", "save_steps", "seed", "warmup_steps",
                 "lr_scheduler_type", "dropout", "document_starts", "start_min_tokens", "gradient_checkpointing",
                 "bf16", "compile", "fsdp"]
 
@@ -98,6 +98,10 @@ OPTION_NAMES = ["objective", "data", "steps", "minutes", "seq_len", "batch_size"
 @click.option("--distill-mode", type=click.Choice(DISTILL_MODES), default=None,
               help="Feed each student block the student's own states (end-to-end) or the teacher's "
                    "(block-wise: each block learns its own map) [default: end-to-end].")
+@click.option("--distill-states", type=click.Choice(DISTILL_STATES), default=None,
+              help="Match each hidden state by its squared error relative to the teacher's, or by each "
+                   "token's cosine distance [default: cosine where the conversion cut the factorized "
+                   "layers 3x or more, else relative-mse].")
 @click.option("--logging-steps", type=int, default=None)
 @click.option("--save-steps", type=int, default=None)
 @click.option("--warmup-steps", type=int, default=None)

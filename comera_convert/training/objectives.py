@@ -121,32 +121,48 @@ def _relative_mse(student_hidden, teacher_hidden, weight) -> torch.Tensor:
     return ((student_hidden - teacher_hidden) ** 2 * weight).sum() / (teacher_hidden ** 2 * weight).sum()
 
 
-def distill_loss(student_states, teacher_states, mask) -> torch.Tensor:
-    """Relative MSE of the last hidden states + (1 - cosine) of the pooled embeddings + the mean
-    relative MSE of the layers in between, when both models have the same depth.
+def _token_cosine_distance(student_hidden, teacher_hidden, weight) -> torch.Tensor:
+    """1 - cosine of each token's student and teacher states, averaged over the unmasked tokens: the
+    direction of every state, which mean pooling reads, with no hidden dimension ruling by its size."""
+    cosine = F.cosine_similarity(student_hidden.float(), teacher_hidden.float(), dim=-1)
+    tokens = weight.squeeze(-1).float()
+    return ((1 - cosine) * tokens).sum() / tokens.sum()
+
+
+# How a hidden state is matched (``TrainOptions.distill_states``).
+STATE_DISTANCES = {"relative-mse": _relative_mse, "cosine": _token_cosine_distance}
+
+
+def distill_loss(student_states, teacher_states, mask, states: str = "relative-mse") -> torch.Tensor:
+    """The last hidden states' distance + (1 - cosine) of the pooled embeddings + the mean distance of
+    the layers in between, when both models have the same depth; ``states`` names the distance
+    (STATE_DISTANCES: the relative MSE, or each token's cosine distance).
 
     The states are the models' ``hidden_states`` (the embedding output, then one per layer). The
     compressed student keeps the teacher's depth, so every layer gets its own target: on MiniLM at
     --ratio 4 that reaches a held-out embedding cosine of 0.80 after 150 steps where the last layer
     alone reaches 0.79, and 0.84 against 0.83 after 600 (BENCHMARKS.md, Quality).
     """
+    distance = STATE_DISTANCES[states]
     weight = mask.unsqueeze(-1).to(student_states[-1].dtype)
-    loss = _relative_mse(student_states[-1], teacher_states[-1], weight)
+    loss = distance(student_states[-1], teacher_states[-1], weight)
     cosine = F.cosine_similarity(pool(student_states[-1], mask), pool(teacher_states[-1], mask), dim=-1)
     loss = loss + (1 - cosine).mean()
     inner = list(zip(student_states[1:-1], teacher_states[1:-1]))
     if inner and len(student_states) == len(teacher_states):
-        loss = loss + sum(_relative_mse(s, t, weight) for s, t in inner) / len(inner)
+        loss = loss + sum(distance(s, t, weight) for s, t in inner) / len(inner)
     return loss
 
 
-def blockwise_distill_loss(student: "BlockStates", teacher: "BlockStates", mask) -> torch.Tensor:
-    """The mean relative MSE of every state (what the first block reads, then each block's output,
-    each block having read the teacher's states before it) + (1 - cosine) of the pooled last
-    hidden states."""
+def blockwise_distill_loss(student: "BlockStates", teacher: "BlockStates", mask,
+                           states: str = "relative-mse") -> torch.Tensor:
+    """The mean distance (``states``, as in ``distill_loss``) of every state (what the first block
+    reads, then each block's output, each block having read the teacher's states before it) +
+    (1 - cosine) of the pooled last hidden states."""
+    distance = STATE_DISTANCES[states]
     weight = mask.unsqueeze(-1).to(student.last.dtype)
     pairs = list(zip(student.states, teacher.states))
-    loss = sum(_relative_mse(s, t, weight) for s, t in pairs) / len(pairs)
+    loss = sum(distance(s, t, weight) for s, t in pairs) / len(pairs)
     cosine = F.cosine_similarity(pool(student.last, mask), pool(teacher.last, mask), dim=-1)
     return loss + (1 - cosine).mean()
 
@@ -206,9 +222,11 @@ def block_states(model, batch: dict, feed: list | None = None) -> BlockStates:
     return BlockStates(states, last)
 
 
-def task_loss(objective: str, model, inputs: dict, teacher=None, blockwise: bool = False) -> torch.Tensor:
+def task_loss(objective: str, model, inputs: dict, teacher=None, blockwise: bool = False,
+              states: str = "relative-mse") -> torch.Tensor:
     """The objective's loss; ``blockwise`` (distill only): every student block reads the teacher's
-    hidden states before it (``blockwise_distill_loss``)."""
+    hidden states before it (``blockwise_distill_loss``); ``states``: how distillation matches a
+    hidden state (STATE_DISTANCES)."""
     if objective in ("mlm", "clm"):
         return model(**inputs).loss
     batch = {k: v for k, v in inputs.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
@@ -216,10 +234,10 @@ def task_loss(objective: str, model, inputs: dict, teacher=None, blockwise: bool
     if not blockwise:
         with torch.no_grad():
             target = teacher(**batch, output_hidden_states=True).hidden_states
-        return distill_loss(model(**batch, output_hidden_states=True).hidden_states, target, mask)
+        return distill_loss(model(**batch, output_hidden_states=True).hidden_states, target, mask, states)
     with torch.no_grad():
         target = block_states(teacher, batch)
-    return blockwise_distill_loss(block_states(model, batch, feed=target.inputs), target, mask)
+    return blockwise_distill_loss(block_states(model, batch, feed=target.inputs), target, mask, states)
 
 
 def require_same_depth(student, teacher) -> None:

@@ -19,6 +19,14 @@ OBJECTIVES = ("auto", "mlm", "clm", "distill")
 # the student's own block before it; block-wise, each reads the teacher's hidden states before it,
 # so each block learns its own block's map and no error carries from one block to the next.
 DISTILL_MODES = ("end-to-end", "block-wise")
+# How distillation matches each hidden state: its squared error relative to the teacher's, or
+# each token's cosine distance (objectives.STATE_DISTANCES).
+DISTILL_STATES = ("relative-mse", "cosine")
+# Where the conversion cut the factorized layers at least this much (its report's layers_cut),
+# distillation matches each state's direction by default: measured better where they are cut 3.8x
+# (--ratio 6) and 5.6x (--ratio 8), worse at 2.3x (--ratio 4); between those unmeasured, and a
+# 768-wide encoder's --ratio 4 cuts them 3.4x (BENCHMARKS.md, Distilling each state's direction).
+COSINE_STATES_FROM_CUT = 3.0
 # Learning-rate schedules after the warm-up (transformers' names). CoMERA trains at constant rates;
 # a decaying rate ends distillation on a settled model instead of a noisy iterate.
 LR_SCHEDULERS = ("constant", "linear", "cosine")
@@ -35,6 +43,13 @@ PRETRAINING_DEFAULTS = dict(lr_cores=1e-4, lr_rest=5e-5, warmup_steps=0, lr_sche
 DISTILL_DEFAULTS = dict(lr_cores=1e-3, lr_rest=1e-4, dropout=0.0, lr_scheduler_type="cosine",
                         document_starts=0.5, beta=0.0)
 DISTILL_WARMUP = 50  # steps, at most a tenth of the run
+
+
+def default_distill_states(layers_cut: float | None) -> str:
+    """How distillation matches a hidden state by default: by direction ("cosine") where the
+    factorized layers were cut COSINE_STATES_FROM_CUT or more, else by relative squared error (also
+    where the checkpoint records no cut: one converted before the cut was recorded, or at a --rank)."""
+    return "cosine" if layers_cut is not None and layers_cut >= COSINE_STATES_FROM_CUT else "relative-mse"
 
 
 def _check_share(name: str, value) -> None:
@@ -108,6 +123,11 @@ class TrainOptions:
     gradient_checkpointing: bool = False
     teacher: str | None = None
     distill_mode: str = "end-to-end"
+    # The distance of each hidden state to the teacher's: "relative-mse", the squared error relative
+    # to the teacher's, which a BERT's few largest hidden dimensions rule, or "cosine", each token's
+    # cosine distance, the state's direction that mean pooling reads. None: by the conversion's cut
+    # (``default_distill_states``).
+    distill_states: str | None = None
     logging_steps: int = 10
     save_steps: int = 500
     eval_steps: int | None = None
@@ -126,6 +146,8 @@ class TrainOptions:
             raise ConfigError(expected(f"an objective in {OBJECTIVES}", self.objective))
         if self.distill_mode not in DISTILL_MODES:
             raise ConfigError(expected(f"a distill_mode in {DISTILL_MODES}", self.distill_mode))
+        if self.distill_states is not None and self.distill_states not in DISTILL_STATES:
+            raise ConfigError(expected(f"a distill_states in {DISTILL_STATES}", self.distill_states))
         if self.distill_mode == "block-wise" and self.compile:
             raise ConfigError("--distill-mode block-wise with --compile: each step feeds the blocks new "
                               "teacher states through hooks, which the CUDA graphs cannot hold (drop one of the two)")
@@ -190,7 +212,8 @@ class TrainOptions:
     @property
     def resolved(self) -> bool:
         """Whether every field that defaults by objective is set (``for_objective`` sets them)."""
-        return all(getattr(self, name) is not None for name in (*PRETRAINING_DEFAULTS, "early_steps"))
+        return all(getattr(self, name) is not None
+                   for name in (*PRETRAINING_DEFAULTS, "early_steps", "distill_states"))
 
     def require_resolved(self, user: str) -> None:
         """A programming error, not a user's: ``user`` reads fields that default by objective."""
@@ -198,13 +221,15 @@ class TrainOptions:
             raise ValueError(f"{user} needs options whose defaults are resolved: "
                              "TrainOptions.for_objective(objective)")
 
-    def for_objective(self, objective: str, encoder: bool = False) -> "TrainOptions":
+    def for_objective(self, objective: str, encoder: bool = False, layers_cut: float | None = None) -> "TrainOptions":
         """These options with every unset (None) field given its default for ``objective`` (mlm, clm
-        or distill); ``encoder``: the student is a sentence encoder (document starts help it)."""
-        defaults = dict(PRETRAINING_DEFAULTS, early_steps=self._comera_early_steps())
+        or distill); ``encoder``: the student is a sentence encoder (document starts help it);
+        ``layers_cut``: how hard its conversion cut the factorized layers, where recorded."""
+        defaults = dict(PRETRAINING_DEFAULTS, early_steps=self._comera_early_steps(), distill_states="relative-mse")
         if objective == "distill":
             defaults.update(DISTILL_DEFAULTS, warmup_steps=min(DISTILL_WARMUP, self.steps // 10),
-                            document_starts=DISTILL_DEFAULTS["document_starts"] if encoder else 0.0)
+                            document_starts=DISTILL_DEFAULTS["document_starts"] if encoder else 0.0,
+                            distill_states=default_distill_states(layers_cut))
             if self.target_ratio is None:
                 defaults.update(early_steps=self.steps)
             else:

@@ -111,7 +111,8 @@ class ComeraTrainer(Trainer):
     # -- loss -------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         loss = task_loss(self.objective, model, inputs, self.teacher,
-                         blockwise=self.comera_options.distill_mode == "block-wise")
+                         blockwise=self.comera_options.distill_mode == "block-wise",
+                         states=self.comera_options.distill_states)
         total = self.controller.objective(loss)
         if not torch.isfinite(total):
             self.nan_streak += 1
