@@ -173,17 +173,20 @@ def test_training_in_rank_multiples_exports_multiples(tmp_path, tokenizer, corpu
     assert pruned and all(a % 4 == 0 for a, _ in pruned), pruned
 
 
-def test_blockwise_distillation_trains_the_student_toward_the_teacher(tmp_path, tokenizer, corpus):
-    """--distill-mode block-wise: each block learns from the teacher's states; the held-out loss
-    (end to end, what the model does alone) falls and the cosine to the teacher rises."""
+@pytest.mark.parametrize("choice", [{"distill_mode": "block-wise"}, {"distill_states": "cosine"}],
+                         ids=["block-wise", "cosine-states"])
+def test_distillation_choices_train_the_student_toward_the_teacher(tmp_path, tokenizer, corpus, choice):
+    """--distill-mode block-wise (each block learns from the teacher's states) and --distill-states
+    cosine (each token's direction): the held-out loss (end to end, the distance trained) falls, the
+    cosine to the teacher rises, and the choice is recorded."""
     path = compressed(tmp_path, tokenizer, ratio=2)
-    options = TrainOptions(objective="distill", data=str(corpus), distill_mode="block-wise",
-                           **{**FAST, "lr_gates": 1e-3, "lr_cores": 5e-4, "early_steps": 12})
+    options = TrainOptions(objective="distill", data=str(corpus),
+                           **{**FAST, "lr_gates": 1e-3, "lr_cores": 5e-4, "early_steps": 12, **choice})
     result = train(str(path), options, tmp_path / "out")
     assert result.held_out_after < result.held_out_before
     assert result.cosine_before < result.cosine_after
     record = json.loads((tmp_path / "out" / "comera_report.json").read_text())["extra"]["training"]
-    assert record["options"]["distill_mode"] == "block-wise"
+    assert {key: record["options"][key] for key in choice} == choice
 
 
 def test_blockwise_distillation_is_refused_for_other_objectives_and_with_compile(tmp_path, tokenizer, corpus):
@@ -199,21 +202,13 @@ def test_blockwise_distillation_is_refused_for_other_objectives_and_with_compile
         TrainOptions(distill_mode="block-wise", compile=True)
 
 
-def test_distillation_by_each_states_cosine(tmp_path, tokenizer, corpus):
-    """--distill-states cosine trains toward the teacher (the held-out loss, the same distance, falls;
-    the embedding cosine rises) and is recorded; other objectives and unknown names are refused."""
+def test_distill_states_is_refused_for_other_objectives_and_unknown_names(tmp_path, tokenizer, corpus):
     path = compressed(tmp_path, tokenizer, ratio=2)
-    options = TrainOptions(objective="distill", data=str(corpus), distill_states="cosine",
-                           **{**FAST, "lr_cores": 5e-4, "early_steps": 12})
-    result = train(str(path), options, tmp_path / "out")
-    assert result.held_out_after < result.held_out_before
-    assert result.cosine_before < result.cosine_after
-    record = json.loads((tmp_path / "out" / "comera_report.json").read_text())["extra"]["training"]
-    assert record["options"]["distill_states"] == "cosine"
     refusal = "--distill-states cosine needs the distill objective; this run trains with mlm"
     with pytest.raises(ConfigError, match=refusal):
         train(str(path), TrainOptions(objective="mlm", data=str(corpus), distill_states="cosine", **FAST),
               tmp_path / "out2")
+    assert not (tmp_path / "out2").exists()
     with pytest.raises(ConfigError, match=r"distill_states in \('relative-mse', 'cosine'\).*got 'l2'"):
         TrainOptions(distill_states="l2")
 
