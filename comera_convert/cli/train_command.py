@@ -100,8 +100,8 @@ OPTION_NAMES = ["objective", "data", "steps", "minutes", "seq_len", "batch_size"
                    "(block-wise: each block learns its own map) [default: end-to-end].")
 @click.option("--distill-states", type=click.Choice(DISTILL_STATES), default=None,
               help="Match each hidden state by its squared error relative to the teacher's, or by each "
-                   "token's cosine distance [default: cosine where the conversion cut the factorized "
-                   "layers 3x or more, else relative-mse].")
+                   "token's cosine distance [default: cosine where the conversion cut the float "
+                   "factorized layers 3x or more, else relative-mse].")
 @click.option("--logging-steps", type=int, default=None)
 @click.option("--save-steps", type=int, default=None)
 @click.option("--warmup-steps", type=int, default=None)
