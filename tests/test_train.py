@@ -115,6 +115,8 @@ def test_gates_shrink_and_stage_switch_fixes_a_target(tmp_path, tokenizer):
     size = controller.size()
     controller.observe_loss(3.0)
     assert not controller.should_switch(3) and controller.should_switch(4)
+    whole_run = TrainOptions(steps=10, early_steps=10).for_objective("mlm")
+    assert not RankController(model, whole_run, dense_params=10 ** 6).should_switch(10)  # nothing left to train
     controller.switch(4)
     assert controller.state.stage == "late" and controller.state.target_size == size // 2
     assert controller.state.target_loss == 3.0

@@ -302,7 +302,9 @@ class RankController:
         if self.state.stage != EARLY:
             return False
         if step >= self.options.early_steps:
-            return True
+            # Not at the last step: a late stage would train nothing (distillation that keeps the
+            # size runs its early stage over every step).
+            return step < self.options.steps
         history, window = self.state.ema_history, self.options.plateau_window
         if window and len(history) > window:
             gain = (history[0] - history[-1]) / max(abs(history[0]), 1e-12)
