@@ -241,11 +241,14 @@ def test_training_reads_the_recorded_cut(tmp_path, tokenizer, corpus):
     record = json.loads((tmp_path / "out" / "comera_report.json").read_text())["extra"]
     assert record["training"]["options"]["distill_states"] == "cosine" and record["layers_cut"] == 4.0
     # Integer factors keep the relative MSE (measured level on the 32.6x int4 checkpoint).
-    report["extra"]["storage_dtype"] = "int4, groups of 128"
+    path = compressed(tmp_path, tokenizer, ratio=2, dtype="int8", name="int8")
+    report_path = path / "comera_report.json"
+    report = json.loads(report_path.read_text())
+    report["extra"]["layers_cut"] = 4.0
     report_path.write_text(json.dumps(report))
-    from comera_convert.training.run import recorded_layers_cut
-
-    assert recorded_layers_cut(path) is None
+    train(str(path), options, tmp_path / "out-int8")
+    record = json.loads((tmp_path / "out-int8" / "comera_report.json").read_text())["extra"]
+    assert record["training"]["options"]["distill_states"] == "relative-mse" and record["layers_cut"] == 4.0
 
 
 def test_distill_objective_uses_the_recorded_teacher(tmp_path, tokenizer, corpus):

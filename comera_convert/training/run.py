@@ -27,7 +27,7 @@ from ..text import Blocks, pack, shortened, text_length
 from .attention import use_training_attention
 from .objectives import (BlockCollator, pick_objective, require_same_depth, resolve_objective, task_for,
                          task_loss)
-from .options import TrainOptions, default_distill_states
+from .options import TrainOptions
 from .rank_control import RankController
 from .trainer import ComeraTrainer, truncated_copy
 
@@ -241,22 +241,15 @@ class Session:
 
 
 def recorded_layers_cut(path) -> float | None:
-    """How hard the conversion cut the checkpoint's factorized layers, as its report records it, for
-    the distance distillation matches states by (``default_distill_states``). None where it records
-    none, where the report is unreadable (export says so as it starts a new one), and for integer
-    factors: on the 32.6x int4 checkpoint (cut 5.1x) five minutes by each token's cosine ended
-    level with the relative MSE (recall@1 within 0.004 on english and Debian, cosine 0.001 to 0.008
-    lower), so those keep the relative MSE."""
+    """How hard the conversion cut the checkpoint's factorized layers, as its report records it (None
+    where it records none, or where the report is unreadable: export says so as it starts a new one)."""
     from ..conversion.report import read_report
 
     try:
         report = read_report(path)
     except ModelLoadError:
         return None
-    extra = report.extra if report is not None else {}
-    if not str(extra.get("storage_dtype", "float")).startswith(("float", "bfloat")):
-        return None
-    cut = extra.get("layers_cut")
+    cut = report.extra.get("layers_cut") if report is not None else None
     return float(cut) if isinstance(cut, (int, float)) else None
 
 
@@ -278,12 +271,14 @@ def open_session(model_name: str, options: TrainOptions) -> Session:
     if options.distill_states == "cosine" and objective != "distill":
         raise ConfigError(f"--distill-states {options.distill_states} needs the distill objective; "
                           f"this run trains with {objective}")
-    cut = recorded_layers_cut(path)
-    if objective == "distill" and options.distill_states is None and cut is not None:
-        chosen = default_distill_states(cut)
-        note = "; ".join(filter(None, [note, f"hidden states matched by {chosen} (the conversion cut the "
-                                              f"factorized layers {cut:.1f}x; --distill-states to choose)"]))
+    # Integer factors (the config's storage record) keep the relative MSE: on the 32.6x int4
+    # checkpoint (cut 5.1x) five minutes by each token's cosine ended level with it.
+    cut = None if quantization.get("storage") else recorded_layers_cut(path)
+    by_cut = objective == "distill" and options.distill_states is None and cut is not None
     options = options.for_objective(objective, encoder, cut)
+    if by_cut:
+        note = "; ".join(filter(None, [note, f"hidden states matched by {options.distill_states} (the conversion "
+                                              f"cut the factorized layers {cut:.1f}x; --distill-states to choose)"]))
     # Parameters the checkpoint lacks (a head or pooler the task adds) are initialized at random as
     # the model loads: seeded, so that a run is repeatable and every worker starts from the same
     # model (FSDP shards each worker's own values; DDP would broadcast the main one's).
