@@ -85,9 +85,10 @@ def test_codebook_width_halves_the_codes_and_gives_the_linears_the_bytes(dense_d
     reports = {}
     for width in (4, 8):
         out = tmp_path / f"w{width}"
-        # Two modes: a rank step of the tiny model's low-rank linears costs more than the codes save.
+        # Two modes: a rank step of the tiny model's low-rank linears costs more than the codes save;
+        # one rank for every block, so that a step of it is as small as it can be.
         result = run("convert", dense_dir, "--ratio", "3", "--modes", "2", "--codebook-width", str(width),
-                     "--out", out)
+                     "--last-block-rank-scale", "1", "--out", out)
         assert result.exit_code == 0, result.output
         table = comera_convert.from_pretrained(out).get_input_embeddings()
         assert table.codes.shape == (table.num_embeddings, table.embedding_dim // width)
@@ -116,6 +117,28 @@ def test_existing_output_is_kept_unless_overwrite(dense_dir, tmp_path):
     assert run("convert", dense_dir, "--ratio", "3", "--out", out, "--overwrite").exit_code == 0
     assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left behind
+
+
+def test_convert_gives_the_last_block_its_rank_scale(dense_dir, tmp_path):
+    """By default the last block's layers get twice the shared rank; --last-block-rank-scale 1 gives
+    every layer the shared rank."""
+    def last_block_ranks(*options):
+        out = tmp_path / f"tiny{len(options)}"
+        result = run("convert", dense_dir, "--ratio", "3", "--no-calibration", "--out", out, "--json", *options)
+        assert result.exit_code == 0, result.output
+        report = json.loads(result.output)["report"]
+        blocks = [m for m in report["modules"] if m["name"].startswith("bert.encoder.layer.")]
+        last = max(int(m["name"].split(".")[3]) for m in blocks)
+        ranks = [max(m["ranks"]) for m in blocks if m["name"].startswith(f"bert.encoder.layer.{last}.")]
+        return report, ranks
+
+    default, ranks = last_block_ranks()
+    assert "last block's layers at 2x" in default["extra"]["allocation"]
+    assert default["extra"]["last_block_rank_scale"] == 2
+    assert ranks and all(r > default["shared_rank"] for r in ranks), (default["shared_rank"], ranks)
+    even, ranks = last_block_ranks("--last-block-rank-scale", "1")
+    assert "last block" not in even["extra"]["allocation"] and max(ranks) <= even["shared_rank"] + 1
+    assert "the last block at 2x" in run("report", tmp_path / "tiny0").output
 
 
 def _one_line_error(result, *fragments):
@@ -157,6 +180,8 @@ def test_bad_input_is_one_line_and_non_zero(dense_dir, tmp_path):
          ["'int3' is not a storage dtype", "float32, bfloat16, float16, int8, int4"]),
         (["convert", dense_dir, "--dtype", "bfloat16", "--group-size", "64", "--out", tmp_path / "o14"],
          ["--group-size applies to integer storage"]),
+        (["convert", dense_dir, "--last-block-rank-scale", "-1", "--out", tmp_path / "o16"],
+         ["last_block_rank_scale as a number in (0, 16]", "-1"]),
         (["convert", dense_dir, "--codebook-width", "0", "--out", tmp_path / "o15"],
          ["codebook_width as a positive integer", "got 0"]),
         (["convert", dense_dir, "--calibration", "englsh", "--out", tmp_path / "o13"],

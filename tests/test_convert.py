@@ -136,6 +136,8 @@ def test_a_meta_device_model_plans_what_a_real_one_gets(case):
     (dict(rank=0), ConfigError, "rank as a positive integer"),
     (dict(ratio=4, rank_multiple=0), ConfigError, "rank_multiple as a positive integer"),
     (dict(rank=30, rank_multiple=8), ConfigError, "a fixed --rank 30 is used as given"),
+    (dict(ratio=4, last_block_rank_scale=0), ConfigError, r"last_block_rank_scale as a number in \(0, 16\]"),
+    (dict(ratio=4, last_block_rank_scale="2x"), ConfigError, "last_block_rank_scale as a number"),
 ])
 def test_bad_options_say_what_was_expected(kwargs, error, message):
     with pytest.raises(error, match=message):
@@ -150,7 +152,8 @@ def test_rank_multiple_rounds_the_ranks_a_ratio_chooses():
     def plan(**kwargs):
         with torch.device("meta"):
             model = BertForMaskedLM(BertConfig())
-        report = comera_convert.convert(model, ratio=4, **kwargs)
+        # One shared rank for every block, so that a rank above it comes from the budget's rest.
+        report = comera_convert.convert(model, ratio=4, last_block_rank_scale=1, **kwargs)
         return report, [m.spec for m in model.modules() if isinstance(m, (TTLinear, TTEmbedding))]
 
     plain, _ = plan()
@@ -160,6 +163,37 @@ def test_rank_multiple_rounds_the_ranks_a_ratio_chooses():
     for spec in specs:
         assert all(r % 8 == 0 or r == cap for r, cap in zip(spec.ranks, spec.max_ranks)), spec.ranks
     assert any(r > report.shared_rank for spec in specs for r in spec.ranks if r % 8 == 0)  # the budget's rest
+
+
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_the_last_block_gets_its_rank_scale_and_the_ratio_still_holds(family):
+    """bert-base and a Llama planned on the meta device at --ratio 4: the layers of the last repeated
+    block get last_block_rank_scale times the shared rank, every other linear the shared rank (or
+    the next, from the budget's rest), and the whole model still meets the ratio; at scale 1 the
+    last block is like any other."""
+    from transformers import BertConfig, BertModel, LlamaConfig, LlamaModel
+
+    def plan(scale):
+        with torch.device("meta"):
+            model = (BertModel(BertConfig()) if family == "bert" else
+                     LlamaModel(LlamaConfig(hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
+                                            num_attention_heads=8, vocab_size=4000)))
+        report = comera_convert.convert(model, ratio=4, last_block_rank_scale=scale, word_embedding="tt")
+        last = "encoder.layer.11." if family == "bert" else "layers.3."
+        ranks = {name: max(m.spec.ranks) for name, m in model.named_modules() if isinstance(m, TTLinear)}
+        inside = [r for name, r in ranks.items() if name.startswith(last)]
+        outside = [r for name, r in ranks.items() if not name.startswith(last) and "pooler" not in name]
+        return report, inside, outside
+
+    report, inside, outside = plan(1.5)
+    assert report.ratio >= 4 and "the last block's layers at 1.5x" in report.extra["allocation"]
+    shared = report.shared_rank
+    assert len(inside) in (6, 7) and all(r in (round(1.5 * shared), round(1.5 * (shared + 1))) for r in inside), \
+        (shared, inside)
+    assert all(r in (shared, shared + 1) for r in outside), (shared, outside)
+    even, inside, outside = plan(1.0)
+    assert even.shared_rank > shared and max(inside) <= even.shared_rank + 1  # the scale's rank came from the rest
+    assert "last block" not in even.extra["allocation"]
 
 
 def test_rank_multiple_does_not_apply_to_the_sensitivity_ladder():

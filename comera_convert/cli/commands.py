@@ -73,6 +73,9 @@ def _default_out(model: str, ratio, rank) -> str:
 @click.option("--allocation", type=click.Choice(ALLOCATIONS), default=None,
               help="One shared rank; per-kind rank scales searched on the calibration text (measured); "
                    "or per-layer ranks from error estimates (sensitivity) [default: uniform].")
+@click.option("--last-block-rank-scale", type=float, default=None, metavar="X",
+              help="The last repeated block's layers get X times the shared rank (uniform allocation); 1: "
+                   "one shared rank [default: 2].")
 @click.option("--rank-multiple", type=int, default=None,
               help="Round the ranks --ratio chooses down to multiples of this; 8 for faster bf16 on GPUs "
                    "[default: 1].")
@@ -96,7 +99,7 @@ def _default_out(model: str, ratio, rank) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of tables.")
 def convert(model, ratio, rank, layout, embedding_layout, word_embedding, codebook_width, d, targets, exclude,
             no_gates, calibration, no_calibration, calibration_sequences, compensate, reconstruct_steps,
-            reconstruct_lr, allocation, rank_multiple, dtype, group_size, device, recipe,
+            reconstruct_lr, allocation, last_block_rank_scale, rank_multiple, dtype, group_size, device, recipe,
             task, out, overwrite, max_shard_size, as_json):
     """Convert MODEL (directory, hub id or alias such as minilm, bert-base) to a TT checkpoint."""
     from ..recipes import convert_options
@@ -108,7 +111,8 @@ def convert(model, ratio, rank, layout, embedding_layout, word_embedding, codebo
                  "gates": False if no_gates else None, "calibration": calibration,
                  "calibration_sequences": calibration_sequences, "allocation": allocation,
                  "compensate": compensate, "reconstruct_steps": reconstruct_steps, "reconstruct_lr": reconstruct_lr,
-                 "rank_multiple": rank_multiple, "dtype": dtype, "group_size": group_size, "device": device}
+                 "last_block_rank_scale": last_block_rank_scale, "rank_multiple": rank_multiple,
+                 "dtype": dtype, "group_size": group_size, "device": device}
     options = convert_options(recipe, overrides)
     if no_calibration:
         if calibration:

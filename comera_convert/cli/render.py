@@ -91,7 +91,9 @@ def totals_table(report, disk_bytes: int | None = None) -> Table:
     extra = report.extra or {}
     if "allocation" in extra:
         multiple = f", multiples of {extra['rank_multiple']}" if extra.get("rank_multiple") else ""
-        table.add_row("rank allocation", extra["allocation"].split(":")[0] + multiple)
+        last_block = (f", the last block at {extra['last_block_rank_scale']:g}x"
+                      if extra.get("last_block_rank_scale") else "")
+        table.add_row("rank allocation", extra["allocation"].split(":")[0] + last_block + multiple)
     if extra.get("layers_cut"):
         table.add_row("factorized layers cut", f"{extra['layers_cut']:.2f}x")
     if "calibration" in extra:

@@ -3,9 +3,10 @@
 The ratio counts every parameter of the model, dense ones included:
     ratio = params(dense model) / params(converted model).
 A single maximum rank r is shared by all converted layers (each clipped to what its shape
-allows, as CoMERA uses rank 30 everywhere); r is the largest value whose model still meets the
-ratio, found by bisection since the parameter count grows with r. A table held as a codebook
-(``LayoutChoice.codebook``) costs the same at every r: the budget it leaves goes to the TT layers.
+allows, as CoMERA uses rank 30 everywhere; a scale per layer, where given, multiplies it); r is
+the largest value whose model still meets the ratio, found by bisection since the parameter count
+grows with r. A table held as a codebook (``LayoutChoice.codebook``) costs the same at every r: the
+budget it leaves goes to the TT layers.
 A layer whose TT form at r would not be smaller than the dense one stays dense. The budget left over then
 lifts the largest layers to the next rank, one at a time, while the ratio still holds. With a
 rank multiple m (tensor-core friendly shapes), r and the next rank are multiples of m.

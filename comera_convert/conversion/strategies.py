@@ -2,10 +2,11 @@
 
 A strategy takes an ``AllocationRequest`` and returns an ``Allocation``: one spec per candidate
 (None keeps it dense), the shared maximum rank where there is one, and what the report says.
-``uniform`` (one shared rank, the largest the ratio allows) is the default and what the quality
-figures were measured with; the experimental ones (``conversion/experimental/``) are opt-in
-studies that did not beat it out of domain after training (their docstrings say by how much).
-A new strategy is a function registered in ``STRATEGIES``.
+``uniform`` (one shared rank, the largest the ratio allows, scaled for the input embedding and the
+last block) is the default, what the quality figures were measured with (those before the last
+block's scale with one rank for every block); the experimental ones
+(``conversion/experimental/``) are opt-in studies that did not beat it out of domain after training
+(their docstrings say by how much). A new strategy is a function registered in ``STRATEGIES``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from ..errors import ConfigError
 from .allocate import LayoutChoice, allocate_ranks
 from .calibration import Calibration
 from .options import ConvertOptions
-from .targets import Candidate
+from .targets import Candidate, find_blocks
 
 
 @dataclass
@@ -45,11 +46,17 @@ class Allocation:
 
 def uniform(request: AllocationRequest) -> Allocation:
     """One shared maximum rank, the largest the ratio allows; the input embedding gets
-    ``embedding_rank_scale`` times it; left-over budget lifts the largest layers one rank."""
-    specs, shared_rank = allocate_ranks(request.candidates, request.params_before, request.options.ratio,
-                                        request.choice, _embedding_scale(request.model,
-                                                                         request.options.embedding_rank_scale))
-    return Allocation(specs, shared_rank, "uniform: one shared maximum rank")
+    ``embedding_rank_scale`` times it, the layers of the last repeated block ``last_block_rank_scale``
+    times it; left-over budget lifts the largest layers one rank."""
+    options = request.options
+    scales = _uniform_scales(request.model, options.embedding_rank_scale, options.last_block_rank_scale)
+    specs, shared_rank = allocate_ranks(request.candidates, request.params_before, options.ratio,
+                                        request.choice, scales)
+    if options.last_block_rank_scale == 1 or _last_block_prefix(request.model) is None:
+        return Allocation(specs, shared_rank, "uniform: one shared maximum rank")
+    return Allocation(specs, shared_rank, f"uniform: one shared maximum rank, the last block's layers at "
+                                          f"{options.last_block_rank_scale:g}x it",
+                      {"last_block_rank_scale": options.last_block_rank_scale})
 
 
 def measured(request: AllocationRequest) -> Allocation:
@@ -89,11 +96,29 @@ def _needs_calibration(request: AllocationRequest) -> Calibration:
     return request.calibration
 
 
-def _embedding_scale(model: nn.Module, scale: float):
-    """The uniform allocation's per-layer rank scale: ``scale`` for the input embedding, 1 elsewhere
-    (None when there is nothing to scale)."""
+def _uniform_scales(model: nn.Module, embedding_scale: float, last_block_scale: float):
+    """The uniform allocation's per-layer rank scale: ``embedding_scale`` for the input embedding,
+    ``last_block_scale`` for the layers of the model's last repeated block, 1 elsewhere (None when
+    there is nothing to scale)."""
     get = getattr(model, "get_input_embeddings", None)
-    words = get() if get is not None else None
-    if words is None or scale == 1:
+    words = get() if get is not None and embedding_scale != 1 else None
+    last_block = _last_block_prefix(model) if last_block_scale != 1 else None
+    if words is None and last_block is None:
         return None
-    return lambda candidate: scale if candidate.module is words else 1.0
+
+    def scale(candidate) -> float:
+        if words is not None and candidate.module is words:
+            return embedding_scale
+        if last_block is not None and candidate.name.startswith(last_block):
+            return last_block_scale
+        return 1.0
+    return scale
+
+
+def _last_block_prefix(model: nn.Module) -> str | None:
+    """The module-name prefix of the model's last repeated block (``encoder.layer.5.``), or None."""
+    stack = find_blocks(model)
+    if stack is None:
+        return None
+    last = len(model.get_submodule(stack)) - 1
+    return f"{stack}.{last}." if stack else f"{last}."

@@ -112,3 +112,16 @@ def find_candidates(model: nn.Module, targets=None, exclude=None, d: int = 3):
                 raise ConfigError(f"{option} pattern {pattern!r} matches no Linear or Embedding module "
                                   f"(module names look like: {examples})")
     return candidates, tied, skipped
+
+
+def find_blocks(model: nn.Module) -> str | None:
+    """The name of the model's stack of repeated blocks: the ModuleList of two or more modules of
+    one class that holds the most parameters (``model.layers``, ``bert.encoder.layer``,
+    ``transformer.h``), or None."""
+    best, most = None, 0
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 1 and len({type(m) for m in module}) == 1:
+            size = sum(p.numel() for p in module.parameters())
+            if size > most:
+                best, most = name, size
+    return best

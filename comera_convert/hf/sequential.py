@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..conversion.calibration import CalibrationPlan, Recorder, empty_statistics
-from ..conversion.targets import Candidate
+from ..conversion.targets import Candidate, find_blocks  # noqa: F401 (training and api find blocks here)
 from ..layers.swap import set_submodule
 from .spool import to_meta
 from .streaming import Streamed, load_module, load_the_rest
@@ -32,19 +32,6 @@ from .streaming import Streamed, load_module, load_the_rest
 
 class StopForward(Exception):
     """Raised by a hook once the forward pass has gone as far as it needs to."""
-
-
-def find_blocks(model: nn.Module) -> str | None:
-    """The name of the model's stack of repeated blocks: the ModuleList of two or more modules of
-    one class that holds the most parameters (``model.layers``, ``bert.encoder.layer``,
-    ``transformer.h``), or None."""
-    best, most = None, 0
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 1 and len({type(m) for m in module}) == 1:
-            size = sum(p.numel() for p in module.parameters())
-            if size > most:
-                best, most = name, size
-    return best
 
 
 def hidden_of(output):
