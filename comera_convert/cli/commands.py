@@ -74,8 +74,9 @@ def _default_out(model: str, ratio, rank) -> str:
               help="One shared rank; per-kind rank scales searched on the calibration text (measured); "
                    "or per-layer ranks from error estimates (sensitivity) [default: uniform].")
 @click.option("--last-block-rank-scale", type=float, default=None, metavar="X",
-              help="The last repeated block's layers get X times the shared rank (uniform allocation); 1: "
-                   "one shared rank [default: 2].")
+              help="The last repeated block's layers get X times the shared rank (the uniform allocation; "
+                   "a fixed --rank and the experimental allocations do not read it); 1: one shared rank "
+                   "[default: 2].")
 @click.option("--rank-multiple", type=int, default=None,
               help="Round the ranks --ratio chooses down to multiples of this; 8 for faster bf16 on GPUs "
                    "[default: 1].")

@@ -193,6 +193,7 @@ class ConvertOptions:
     # 0.496 / 0.522 (3 adds 0.006 to 0.023 of cosine, no recall@1). --ratio 2 at 1.5: cosine +0.005
     # to +0.009. More rank to the last two blocks, or to the first and the last, kept less. 1: one
     # shared rank everywhere. Measured on MiniLM only (its last block holds a sixth of the linears).
+    # A fixed --rank and the experimental allocations do not read it.
     last_block_rank_scale: float = 2.0
     # The input (word) embedding as "tt" (as the other embeddings, by embedding_layout) or as a
     # "codebook": product-quantized (codebook/), each row one byte per slice of codebook_width
