@@ -49,10 +49,11 @@ def uniform(request: AllocationRequest) -> Allocation:
     ``embedding_rank_scale`` times it, the layers of the last repeated block ``last_block_rank_scale``
     times it; left-over budget lifts the largest layers one rank."""
     options = request.options
-    scales = _uniform_scales(request.model, options.embedding_rank_scale, options.last_block_rank_scale)
+    last_block = _last_block_prefix(request.model) if options.last_block_rank_scale != 1 else None
+    scales = _uniform_scales(request.model, options.embedding_rank_scale, last_block, options.last_block_rank_scale)
     specs, shared_rank = allocate_ranks(request.candidates, request.params_before, options.ratio,
                                         request.choice, scales)
-    if options.last_block_rank_scale == 1 or _last_block_prefix(request.model) is None:
+    if last_block is None:
         return Allocation(specs, shared_rank, "uniform: one shared maximum rank")
     return Allocation(specs, shared_rank, f"uniform: one shared maximum rank, the last block's layers at "
                                           f"{options.last_block_rank_scale:g}x it",
@@ -96,13 +97,12 @@ def _needs_calibration(request: AllocationRequest) -> Calibration:
     return request.calibration
 
 
-def _uniform_scales(model: nn.Module, embedding_scale: float, last_block_scale: float):
+def _uniform_scales(model: nn.Module, embedding_scale: float, last_block: str | None, last_block_scale: float):
     """The uniform allocation's per-layer rank scale: ``embedding_scale`` for the input embedding,
-    ``last_block_scale`` for the layers of the model's last repeated block, 1 elsewhere (None when
-    there is nothing to scale)."""
+    ``last_block_scale`` for the layers under the ``last_block`` prefix (None: no block scaled), 1
+    elsewhere (None when there is nothing to scale)."""
     get = getattr(model, "get_input_embeddings", None)
     words = get() if get is not None and embedding_scale != 1 else None
-    last_block = _last_block_prefix(model) if last_block_scale != 1 else None
     if words is None and last_block is None:
         return None
 
