@@ -137,8 +137,27 @@ def test_convert_gives_the_last_block_its_rank_scale(dense_dir, tmp_path):
     assert default["extra"]["last_block_rank_scale"] == 2
     assert ranks and all(r > default["shared_rank"] for r in ranks), (default["shared_rank"], ranks)
     even, ranks = last_block_ranks("--last-block-rank-scale", "1")
-    assert "last block" not in even["extra"]["allocation"] and max(ranks) <= even["shared_rank"] + 1
-    assert "the last block at 2x" in run("report", tmp_path / "tiny0").output
+    assert "last block's layers" not in even["extra"]["allocation"] and max(ranks) <= even["shared_rank"] + 1
+    assert "the last block at 2x, its attention output dense" in run("report", tmp_path / "tiny0").output
+
+
+def test_convert_keeps_the_last_attention_output_dense_unless_asked(dense_dir, tmp_path):
+    """By default the last block's attention output projection is left out of the converted modules
+    (dense); --factorize-last-attention-output converts it like the others."""
+    def converted(*options):
+        out = tmp_path / f"tiny{len(options)}"
+        result = run("convert", dense_dir, "--ratio", "3", "--no-calibration", "--out", out, "--json", *options)
+        assert result.exit_code == 0, result.output
+        report = json.loads(result.output)["report"]
+        return report, {m["name"] for m in report["modules"]}
+
+    report, names = converted()
+    last = max(int(n.split(".")[3]) for n in names if n.startswith("bert.encoder.layer."))
+    kept = f"bert.encoder.layer.{last}.attention.output.dense"
+    assert report["extra"]["dense_last_attention_output"] == kept and kept not in names
+    assert "bert.encoder.layer.0.attention.output.dense" in names and report["ratio"] >= 3
+    report, names = converted("--factorize-last-attention-output")
+    assert kept in names and "dense_last_attention_output" not in report["extra"]
 
 
 def _one_line_error(result, *fragments):

@@ -138,6 +138,8 @@ def test_a_meta_device_model_plans_what_a_real_one_gets(case):
     (dict(rank=30, rank_multiple=8), ConfigError, "a fixed --rank 30 is used as given"),
     (dict(ratio=4, last_block_rank_scale=0), ConfigError, r"last_block_rank_scale as a number in \(0, 16\]"),
     (dict(ratio=4, last_block_rank_scale="2x"), ConfigError, "last_block_rank_scale as a number"),
+    (dict(ratio=4, keep_last_attention_output="yes"), ConfigError,
+     r"keep_last_attention_output as true or false \(got 'yes'\)"),
 ])
 def test_bad_options_say_what_was_expected(kwargs, error, message):
     with pytest.raises(error, match=message):
@@ -188,12 +190,42 @@ def test_the_last_block_gets_its_rank_scale_and_the_ratio_still_holds(family):
     report, inside, outside = plan(1.5)
     assert report.ratio >= 4 and "the last block's layers at 1.5x" in report.extra["allocation"]
     shared = report.shared_rank
-    assert len(inside) in (6, 7) and all(r in (round(1.5 * shared), round(1.5 * (shared + 1))) for r in inside), \
+    # The block's linears but its attention output projection, which stays dense.
+    assert len(inside) in (5, 6) and all(r in (round(1.5 * shared), round(1.5 * (shared + 1))) for r in inside), \
         (shared, inside)
     assert all(r in (shared, shared + 1) for r in outside), (shared, outside)
     even, inside, outside = plan(1.0)
     assert even.shared_rank > shared and max(inside) <= even.shared_rank + 1  # the scale's rank came from the rest
-    assert "last block" not in even.extra["allocation"]
+    assert "last block's layers" not in even.extra["allocation"]
+
+
+@pytest.mark.parametrize("family, kept", [("bert", "encoder.layer.11.attention.output.dense"),
+                                          ("llama", "layers.3.self_attn.o_proj"), ("gpt2", "h.3.attn.c_proj")])
+def test_the_last_blocks_attention_output_stays_dense_within_the_ratio(family, kept):
+    """bert-base, a Llama and a GPT-2 planned on the meta device at --ratio 6: the last block's
+    attention output projection stays a dense layer (the same projection of the first block is
+    converted), the ratio holds, and its cost comes out of the shared rank; asked to factorize it,
+    it is converted like the rest."""
+    from transformers import BertConfig, BertModel, GPT2Config, GPT2Model, LlamaConfig, LlamaModel
+
+    def plan(**kwargs):
+        with torch.device("meta"):
+            model = {"bert": lambda: BertModel(BertConfig()),
+                     "llama": lambda: LlamaModel(LlamaConfig(hidden_size=512, intermediate_size=1376,
+                                                             num_hidden_layers=4, num_attention_heads=8,
+                                                             vocab_size=4000)),
+                     "gpt2": lambda: GPT2Model(GPT2Config(n_embd=512, n_layer=4, n_head=8, vocab_size=4000))}[family]()
+        return model, comera_convert.convert(model, ratio=6, word_embedding="tt", **kwargs)
+
+    model, report = plan()
+    first = kept.replace("11." if family == "bert" else "3.", "0.", 1)
+    assert report.ratio >= 6 and report.extra["dense_last_attention_output"] == kept
+    assert not isinstance(model.get_submodule(kept), TTModule) and isinstance(model.get_submodule(first), TTLinear)
+    assert f"{kept} (the last block's attention output) dense" in report.extra["allocation"]
+    factorized, plain = plan(keep_last_attention_output=False)
+    assert isinstance(factorized.get_submodule(kept), TTLinear) and plain.ratio >= 6
+    assert "dense_last_attention_output" not in plain.extra and "attention output" not in plain.extra["allocation"]
+    assert report.shared_rank < plain.shared_rank  # the dense layer's parameters came from the others' rank
 
 
 def test_rank_multiple_does_not_apply_to_the_sensitivity_ladder():

@@ -211,9 +211,11 @@ def test_the_default_at_ratio_4_keeps_more_of_the_retrieval_task_than_the_previo
     converted = {"default": readme_conversion}
     for name, changes in (("tt table", {"word_embedding": "tt"}),
                           ("uncompensated", {"word_embedding": "tt", "compensate": False})):
-        # Two modes per side and no block reconstruction, the defaults at --ratio 4 when these were.
+        # Two modes per side, no block reconstruction and one shared rank (the last block's attention
+        # output factorized too), the defaults at --ratio 4 when these were.
         options = ConvertOptions(ratio=4, d=2, calibration="english", calibration_sequences=32,
-                                 reconstruct_steps=0, **changes)
+                                 reconstruct_steps=0, last_block_rank_scale=1, keep_last_attention_output=False,
+                                 **changes)
         result = convert_checkpoint("minilm", tmp_path / name, options)
         assert result.report.extra["streamed"]
         converted[name] = tmp_path / name

@@ -77,6 +77,9 @@ def _default_out(model: str, ratio, rank) -> str:
               help="The last repeated block's layers get X times the shared rank (the uniform allocation; "
                    "a fixed --rank and the experimental allocations do not read it); 1: one shared rank "
                    "[default: 2].")
+@click.option("--keep-last-attention-output/--factorize-last-attention-output", default=None,
+              help="Keep the last repeated block's attention output projection dense (the uniform "
+                   "allocation) [default: keep].")
 @click.option("--rank-multiple", type=int, default=None,
               help="Round the ranks --ratio chooses down to multiples of this; 8 for faster bf16 on GPUs "
                    "[default: 1].")
@@ -100,8 +103,8 @@ def _default_out(model: str, ratio, rank) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of tables.")
 def convert(model, ratio, rank, layout, embedding_layout, word_embedding, codebook_width, d, targets, exclude,
             no_gates, calibration, no_calibration, calibration_sequences, compensate, reconstruct_steps,
-            reconstruct_lr, allocation, last_block_rank_scale, rank_multiple, dtype, group_size, device, recipe,
-            task, out, overwrite, max_shard_size, as_json):
+            reconstruct_lr, allocation, last_block_rank_scale, keep_last_attention_output, rank_multiple, dtype,
+            group_size, device, recipe, task, out, overwrite, max_shard_size, as_json):
     """Convert MODEL (directory, hub id or alias such as minilm, bert-base) to a TT checkpoint."""
     from ..recipes import convert_options
     from ..api import convert_checkpoint
@@ -112,7 +115,8 @@ def convert(model, ratio, rank, layout, embedding_layout, word_embedding, codebo
                  "gates": False if no_gates else None, "calibration": calibration,
                  "calibration_sequences": calibration_sequences, "allocation": allocation,
                  "compensate": compensate, "reconstruct_steps": reconstruct_steps, "reconstruct_lr": reconstruct_lr,
-                 "last_block_rank_scale": last_block_rank_scale, "rank_multiple": rank_multiple,
+                 "last_block_rank_scale": last_block_rank_scale,
+                 "keep_last_attention_output": keep_last_attention_output, "rank_multiple": rank_multiple,
                  "dtype": dtype, "group_size": group_size, "device": device}
     options = convert_options(recipe, overrides)
     if no_calibration:

@@ -93,7 +93,8 @@ def totals_table(report, disk_bytes: int | None = None) -> Table:
         multiple = f", multiples of {extra['rank_multiple']}" if extra.get("rank_multiple") else ""
         last_block = (f", the last block at {extra['last_block_rank_scale']:g}x"
                       if extra.get("last_block_rank_scale") else "")
-        table.add_row("rank allocation", extra["allocation"].split(":")[0] + last_block + multiple)
+        kept = ", its attention output dense" if extra.get("dense_last_attention_output") else ""
+        table.add_row("rank allocation", extra["allocation"].split(":")[0] + last_block + kept + multiple)
     if extra.get("layers_cut"):
         table.add_row("factorized layers cut", f"{extra['layers_cut']:.2f}x")
     if "calibration" in extra:

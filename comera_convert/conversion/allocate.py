@@ -70,10 +70,12 @@ def spec_if_smaller(candidate: Candidate, rank, choice: LayoutChoice) -> TTSpec 
 
 def specs_at_rank(candidates, rank: int, choice: LayoutChoice, scale=None) -> list[TTSpec | None]:
     """Every candidate's spec at ``rank``, or at scale(candidate) * rank rounded to the choice's rank
-    multiple when a scale is given."""
+    multiple when a scale is given (a scale of None keeps that candidate dense)."""
     if scale is None:
         return [spec_if_smaller(c, rank, choice) for c in candidates]
-    return [spec_if_smaller(c, choice.rounded(scale(c) * rank), choice) for c in candidates]
+    scales = [scale(c) for c in candidates]
+    return [None if s is None else spec_if_smaller(c, choice.rounded(s * rank), choice)
+            for c, s in zip(candidates, scales)]
 
 
 def allocate_ranks(candidates: list[Candidate], total_params: int, ratio: float,
@@ -81,7 +83,7 @@ def allocate_ranks(candidates: list[Candidate], total_params: int, ratio: float,
     """Specs meeting ``ratio`` with the largest shared rank (a multiple of the choice's
     ``rank_multiple``), and that rank. A layer that TT would not make smaller at that rank gets None
     (it stays dense). ``scale(candidate)``, when given, multiplies the shared rank per layer
-    (``measured.py`` searches it).
+    (``measured.py`` searches it); where it is None the layer stays dense.
 
     Raises RatioError, naming the largest reachable ratio, when even the smallest rank is not enough.
     """

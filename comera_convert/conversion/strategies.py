@@ -3,8 +3,8 @@
 A strategy takes an ``AllocationRequest`` and returns an ``Allocation``: one spec per candidate
 (None keeps it dense), the shared maximum rank where there is one, and what the report says.
 ``uniform`` (one shared rank, the largest the ratio allows, scaled for the input embedding and the
-last block) is the default, what the quality figures were measured with (those before the last
-block's scale with one rank for every block); the experimental ones
+last block, whose attention output projection stays dense) is the default, what the quality figures
+were measured with (those before session 37 with one rank for every block); the experimental ones
 (``conversion/experimental/``) are opt-in studies that did not beat it out of domain after training
 (their docstrings say by how much). A new strategy is a function registered in ``STRATEGIES``.
 """
@@ -20,7 +20,7 @@ from ..errors import ConfigError
 from .allocate import LayoutChoice, allocate_ranks
 from .calibration import Calibration
 from .options import ConvertOptions
-from .targets import Candidate, find_blocks
+from .targets import Candidate, attention_output_in, find_blocks
 
 
 @dataclass
@@ -47,17 +47,25 @@ class Allocation:
 def uniform(request: AllocationRequest) -> Allocation:
     """One shared maximum rank, the largest the ratio allows; the input embedding gets
     ``embedding_rank_scale`` times it, the layers of the last repeated block ``last_block_rank_scale``
-    times it; left-over budget lifts the largest layers one rank."""
+    times it, and that block's attention output projection stays dense where
+    ``keep_last_attention_output`` asks; left-over budget lifts the largest layers one rank."""
     options = request.options
-    last_block = _last_block_prefix(request.model) if options.last_block_rank_scale != 1 else None
-    scales = _uniform_scales(request.model, options.embedding_rank_scale, last_block, options.last_block_rank_scale)
+    scaled = options.last_block_rank_scale != 1
+    last_block = _last_block_prefix(request.model) if scaled or options.keep_last_attention_output else None
+    kept_dense = (attention_output_in([c.name for c in request.candidates], last_block)
+                  if last_block is not None and options.keep_last_attention_output else None)
+    scales = _uniform_scales(request.model, options.embedding_rank_scale, last_block if scaled else None,
+                             options.last_block_rank_scale, kept_dense)
     specs, shared_rank = allocate_ranks(request.candidates, request.params_before, options.ratio,
                                         request.choice, scales)
-    if last_block is None:
-        return Allocation(specs, shared_rank, "uniform: one shared maximum rank")
-    return Allocation(specs, shared_rank, f"uniform: one shared maximum rank, the last block's layers at "
-                                          f"{options.last_block_rank_scale:g}x it",
-                      {"last_block_rank_scale": options.last_block_rank_scale})
+    description, extra = "uniform: one shared maximum rank", {}
+    if last_block is not None and scaled:
+        description += f", the last block's layers at {options.last_block_rank_scale:g}x it"
+        extra["last_block_rank_scale"] = options.last_block_rank_scale
+    if kept_dense is not None:
+        description += f", {kept_dense} (the last block's attention output) dense"
+        extra["dense_last_attention_output"] = kept_dense
+    return Allocation(specs, shared_rank, description, extra)
 
 
 def measured(request: AllocationRequest) -> Allocation:
@@ -97,16 +105,20 @@ def _needs_calibration(request: AllocationRequest) -> Calibration:
     return request.calibration
 
 
-def _uniform_scales(model: nn.Module, embedding_scale: float, last_block: str | None, last_block_scale: float):
+def _uniform_scales(model: nn.Module, embedding_scale: float, last_block: str | None, last_block_scale: float,
+                    kept_dense: str | None = None):
     """The uniform allocation's per-layer rank scale: ``embedding_scale`` for the input embedding,
-    ``last_block_scale`` for the layers under the ``last_block`` prefix (None: no block scaled), 1
-    elsewhere (None when there is nothing to scale)."""
+    ``last_block_scale`` for the layers under the ``last_block`` prefix (None: no block scaled), None
+    (stays dense) for the layer named ``kept_dense``, 1 elsewhere (None when there is nothing to
+    scale)."""
     get = getattr(model, "get_input_embeddings", None)
     words = get() if get is not None and embedding_scale != 1 else None
-    if words is None and last_block is None:
+    if words is None and last_block is None and kept_dense is None:
         return None
 
-    def scale(candidate) -> float:
+    def scale(candidate) -> float | None:
+        if candidate.name == kept_dense:
+            return None
         if words is not None and candidate.module is words:
             return embedding_scale
         if last_block is not None and candidate.name.startswith(last_block):

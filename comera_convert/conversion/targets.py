@@ -114,6 +114,19 @@ def find_candidates(model: nn.Module, targets=None, exclude=None, d: int = 3):
     return candidates, tied, skipped
 
 
+# The attention block's output projection, by the names transformers' architectures give it (BERT and
+# RoBERTa, GPT-2, Llama and Mistral, OPT and BART, GPT-NeoX): a name ends in one of these.
+ATTENTION_OUTPUT_NAMES = ("attention.output.dense", "attn.c_proj", "self_attn.o_proj", "self_attn.out_proj",
+                          "attention.dense")
+
+
+def attention_output_in(names, block_prefix: str) -> str | None:
+    """The first of ``names`` that is an attention output projection inside the block named by
+    ``block_prefix`` (``encoder.layer.5.``), or None."""
+    return next((name for name in names if name.startswith(block_prefix)
+                 and name.endswith(ATTENTION_OUTPUT_NAMES)), None)
+
+
 def find_blocks(model: nn.Module) -> str | None:
     """The name of the model's stack of repeated blocks: the ModuleList of two or more modules of
     one class that holds the most parameters (``model.layers``, ``bert.encoder.layer``,
