@@ -200,13 +200,13 @@ class ConvertOptions:
     # all-MiniLM-L6-v2 at --ratio 8, putting the dense weight back into one layer of the last block,
     # or into one block's attention output, at a time moved english recall@1 by at most 0.02 save
     # this layer, which alone lifted it from 0.707 to 0.783 (BENCHMARKS.md, The last block's
-    # attention output). Converted with it
-    # kept dense, share of dense recall@1 kept / mean cosine on held-out english / code / man / Debian:
-    # --ratio 8 0.771 / 0.524 / 0.828 / 0.828, cosine 0.724 / 0.612 / 0.598 / 0.630 (0.707 / 0.524 /
-    # 0.809 / 0.772, cosine 0.642 / 0.540 / 0.496 / 0.522 without); --ratio 6 0.823 / 0.571 / 0.912 /
-    # 0.810, cosine 0.769 / 0.660 / 0.661 / 0.682 (0.775 / 0.571 / 0.844 / 0.739, cosine 0.699 /
-    # 0.595 / 0.567 / 0.599); at --ratio 4 and below the doubled rank already leaves it dense. It costs
-    # one square matrix (0.5 % of a bert-base, 0.7 % of MiniLM). Measured on MiniLM only.
+    # attention output). Converted with it kept dense, share of dense recall@1 kept / mean cosine on
+    # held-out english / code / man / Debian: --ratio 8 0.771 / 0.524 / 0.828 / 0.828, cosine 0.724 /
+    # 0.612 / 0.598 / 0.630 (0.707 / 0.524 / 0.809 / 0.772, cosine 0.642 / 0.540 / 0.496 / 0.522
+    # without); --ratio 6 0.823 / 0.571 / 0.912 / 0.810, cosine 0.769 / 0.660 / 0.661 / 0.682 (0.775 /
+    # 0.571 / 0.844 / 0.739, cosine 0.699 / 0.595 / 0.567 / 0.599); at --ratio 4 and below the doubled
+    # rank already leaves it dense. It costs one square matrix (0.5 % of a bert-base, 0.7 % of
+    # MiniLM). Measured on MiniLM only.
     keep_last_attention_output: bool = True
     # The input (word) embedding as "tt" (as the other embeddings, by embedding_layout) or as a
     # "codebook": product-quantized (codebook/), each row one byte per slice of codebook_width
@@ -310,7 +310,8 @@ class ConvertOptions:
             check_device(self.device)
         self._check_reconstruction()
         if not isinstance(self.keep_last_attention_output, bool):
-            raise ConfigError(expected("keep_last_attention_output as true or false", self.keep_last_attention_output))
+            raise ConfigError(expected("keep_last_attention_output as true or false",
+                                       self.keep_last_attention_output))
         for name in ("embedding_rank_scale", "last_block_rank_scale"):
             scale = getattr(self, name)
             if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 16:
