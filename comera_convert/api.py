@@ -264,9 +264,9 @@ def _sequential_calibration(model, streamed, path, options: ConvertOptions, toke
     """A calibration run block by block as a streamed conversion reaches each block, or None where
     the model has no stack of blocks."""
     from .conversion.calibration import plan_calibration
-    from .conversion.targets import find_candidates
+    from .conversion.targets import find_blocks, find_candidates
     from .hf.compensating import CompensatingCalibration
-    from .hf.sequential import SequentialCalibration, find_blocks
+    from .hf.sequential import SequentialCalibration
     from .models import load_tokenizer
 
     blocks = find_blocks(model)

@@ -195,7 +195,7 @@ def test_a_compensating_streamed_conversion_equals_compensating_on_the_whole_mod
     from comera_convert.conversion.calibration import add_gram, plan_calibration
     from comera_convert.conversion.targets import find_candidates
     from comera_convert.hf.compensating import COMPENSATION_RIDGE
-    from comera_convert.hf.sequential import find_blocks
+    from comera_convert.conversion.targets import find_blocks
 
     dense, tokenizer, cls = _with_tokenizer(tmp_path, case, tie)
     # A fixed rank: a ratio would compress only the tiny models' vocabulary-sized embedding.
@@ -408,10 +408,10 @@ def test_the_layers_left_dense_are_read_and_written_out_one_at_a_time(tmp_path, 
 
 
 def test_a_calibrated_model_without_a_stack_of_blocks_is_loaded_whole_with_its_memory_cost(tmp_path, monkeypatch):
-    from comera_convert.hf import sequential
+    from comera_convert.conversion import targets
 
     dense, _, cls = _with_tokenizer(tmp_path, "llama-clm")
-    monkeypatch.setattr(sequential, "find_blocks", lambda model: None)
+    monkeypatch.setattr(targets, "find_blocks", lambda model: None)
     options = ConvertOptions(ratio=2, calibration="english", calibration_sequences=16, calibration_seq_len=32)
     result = convert_checkpoint(str(dense), tmp_path / "tt", options)
     assert "streamed" not in result.report.extra and "calibration" in result.report.extra

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..conversion.calibration import CalibrationPlan, Recorder, empty_statistics
-from ..conversion.targets import Candidate, find_blocks  # noqa: F401 (training and api find blocks here)
+from ..conversion.targets import Candidate
 from ..layers.swap import set_submodule
 from .spool import to_meta
 from .streaming import Streamed, load_module, load_the_rest

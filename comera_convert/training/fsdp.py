@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..conversion.targets import find_blocks
 from ..errors import ConfigError
-from ..hf.sequential import find_blocks
 from ..hf.spool import meta_parameter, replace_tensors
 from ..hf.streaming import give_back_free_memory
 

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..conversion.targets import find_blocks
 from ..errors import ConfigError
 from ..hf.sentence_config import pool
-from ..hf.sequential import find_blocks, hidden_of
+from ..hf.sequential import hidden_of
 
 
 def _supports(model_type: str, mapping_name: str) -> bool:
