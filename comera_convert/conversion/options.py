@@ -59,20 +59,23 @@ COMPENSATE_FROM_RATIO = 3.0
 # The options whose defaults depend on others (the ratio, the table, the model's cut): chosen
 # again when those change (``replace``, ``for_model``).
 DEPENDENT_DEFAULTS = ("d", "compensate", "reconstruct_steps")
-# Reconstruction's steps a block where it is on by default. all-MiniLM-L6-v2, share of dense
-# recall@1 kept / mean cosine on held-out english / code / man / Debian pairs, against the closed
-# form alone: --ratio 4 0.799 / 0.619 / 0.905 / 0.832, cosine 0.706 / 0.611 / 0.593 / 0.607 (from
-# 0.831 / 0.619 / 0.832 / 0.772 and 0.673 / 0.576 / 0.552 / 0.564); --ratio 8 0.639 / 0.667 / 0.729 /
-# 0.698, cosine 0.534 / 0.437 / 0.407 / 0.421 (from 0.643 / 0.476 / 0.752 / 0.690 and 0.511 / 0.410 /
-# 0.380 / 0.390). About 25 s more for MiniLM on 2 cores (BENCHMARKS.md, Conversion at --ratio 6 and 8).
-RECONSTRUCT_STEPS = 100
+# Reconstruction's steps a block where it is on by default, as many as RECONSTRUCTION_STEP_BUDGET
+# allows. all-MiniLM-L6-v2 calibrated on english+python-stdlib (the default), share of dense
+# recall@1 kept / mean cosine on held-out english / code / man / Debian pairs: --ratio 4 (205
+# steps) 0.863 / 0.952 / 0.931 / 0.881, cosine 0.810 / 0.874 / 0.798 / 0.800, with 100 steps 0.867 /
+# 0.952 / 0.935 / 0.854, cosine 0.793 / 0.860 / 0.780 / 0.784; --ratio 8 (300 steps) 0.811 / 0.810 /
+# 0.866 / 0.854, cosine 0.704 / 0.790 / 0.678 / 0.686, with 100 steps 0.755 / 0.714 / 0.874 / 0.836,
+# cosine 0.689 / 0.767 / 0.653 / 0.661. Calibrated on english alone, more steps cost Debian 0.03 to
+# 0.045 of recall@1 at --ratio 4 on three seeds (BENCHMARKS.md, Calibration text and reconstruction
+# steps). 20 to 30 s more for MiniLM on 2 cores (110 s at --ratio 4, 101 s at --ratio 8).
+RECONSTRUCT_STEPS = 300
 # Reconstruction's cost grows with the compressed block: 100 steps took 11 s a block of a
 # bert-base-shaped encoder at --ratio 4 (2.1 M parameters compressed) and 21 s at --ratio 2 (4.4 M),
 # where the whole conversion then took 412 s on two cores (158 s without reconstruction; 317 s with
-# 50 steps). By default a compressed block of more than this many parameters gets proportionally
-# fewer steps (never under MIN_RECONSTRUCT_STEPS): a bert-base 75 at --ratio 4 and 36 at --ratio 2;
-# MiniLM's blocks (at most 1.1 M where it reconstructs) keep 100.
-RECONSTRUCTION_BLOCK_PARAMS = 1_600_000
+# 50 steps). By default a block gets at most this many steps x compressed parameters (100 steps of
+# 1.6 M), never under MIN_RECONSTRUCT_STEPS: a bert-base 75 at --ratio 4 and 36 at --ratio 2 (within
+# the five minutes); MiniLM's blocks 147 at --ratio 3, 205 at --ratio 4 and 300 from --ratio 6.
+RECONSTRUCTION_STEP_BUDGET = 100 * 1_600_000
 MIN_RECONSTRUCT_STEPS = 25
 # Calibration sequences where compensation is on and none were asked for: more text keeps more of
 # every held-out domain at both ratios measured. all-MiniLM-L6-v2 (reconstruction on), mean cosine
@@ -365,15 +368,13 @@ class ConvertOptions:
 
     def reconstruct_steps_for(self, block_params: int) -> int:
         """Reconstruction steps for blocks of ``block_params`` dense parameters: those asked for; by
-        default fewer where the compressed block (``block_params`` over the layers' cut) holds more
-        than RECONSTRUCTION_BLOCK_PARAMS, never under MIN_RECONSTRUCT_STEPS."""
+        default at most what RECONSTRUCTION_STEP_BUDGET buys the compressed block (``block_params``
+        over the layers' cut), never under MIN_RECONSTRUCT_STEPS."""
         steps = self.reconstruct_steps
         if not steps or "reconstruct_steps" not in self._defaulted or not self.cut:
             return steps
-        compressed = block_params / self.cut
-        if compressed <= RECONSTRUCTION_BLOCK_PARAMS:
-            return steps
-        return max(MIN_RECONSTRUCT_STEPS, int(steps * RECONSTRUCTION_BLOCK_PARAMS / compressed))
+        affordable = int(RECONSTRUCTION_STEP_BUDGET / (block_params / self.cut))
+        return max(MIN_RECONSTRUCT_STEPS, min(steps, affordable))
 
     @property
     def fewest_sequences(self) -> int:
