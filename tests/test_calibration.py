@@ -129,6 +129,8 @@ def test_the_defaults_follow_how_hard_the_ratio_cuts_each_shape():
     assert ConvertOptions(ratio=4).for_model(bert_base).reconstruct_steps_for(block) == 75
     assert ConvertOptions(ratio=2).for_model(bert_base).reconstruct_steps_for(block) == 36
     assert ConvertOptions(ratio=2, reconstruct_steps=100).for_model(bert_base).reconstruct_steps_for(block) == 100
+    # A ratio out of reach (the cut is infinite) is the allocation's error to give, not a division's.
+    assert ConvertOptions(ratio=200).for_model(bert_base).reconstruct_steps_for(block) == 300
     minilm_block = sum(p.numel() for p in minilm.encoder.layer[0].parameters())
     assert ConvertOptions(ratio=3).for_model(minilm).reconstruct_steps_for(minilm_block) == 147
     assert ConvertOptions(ratio=4).for_model(minilm).reconstruct_steps_for(minilm_block) == 205

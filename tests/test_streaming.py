@@ -193,9 +193,8 @@ def test_a_compensating_streamed_conversion_equals_compensating_on_the_whole_mod
     """Block by block, each linear is fit to the inputs the compressed layers before it produce: the
     same checkpoint as running the whole dense and the whole half-converted model up to each layer."""
     from comera_convert.conversion.calibration import add_gram, plan_calibration
-    from comera_convert.conversion.targets import find_candidates
+    from comera_convert.conversion.targets import find_blocks, find_candidates
     from comera_convert.hf.compensating import COMPENSATION_RIDGE
-    from comera_convert.conversion.targets import find_blocks
 
     dense, tokenizer, cls = _with_tokenizer(tmp_path, case, tie)
     # A fixed rank: a ratio would compress only the tiny models' vocabulary-sized embedding.

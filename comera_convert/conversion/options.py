@@ -373,8 +373,10 @@ class ConvertOptions:
         steps = self.reconstruct_steps
         if not steps or "reconstruct_steps" not in self._defaulted or not self.cut:
             return steps
-        affordable = int(RECONSTRUCTION_STEP_BUDGET / (block_params / self.cut))
-        return max(MIN_RECONSTRUCT_STEPS, min(steps, affordable))
+        compressed = block_params / self.cut  # 0 where the ratio is out of reach (the allocation says so)
+        if steps * compressed <= RECONSTRUCTION_STEP_BUDGET:
+            return steps
+        return max(MIN_RECONSTRUCT_STEPS, int(RECONSTRUCTION_STEP_BUDGET / compressed))
 
     @property
     def fewest_sequences(self) -> int:
