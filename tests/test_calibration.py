@@ -114,7 +114,8 @@ def test_the_defaults_follow_how_hard_the_ratio_cuts_each_shape():
         got = ConvertOptions(**options).for_model(model)
         return got.d, got.compensate, got.reconstruct_steps
 
-    assert chosen(minilm, ratio=2) == (1, False, 0)
+    assert chosen(minilm, ratio=2) == (1, True, 300)  # its layers cut 1.05x: compensating
+    assert chosen(minilm, ratio=1.9) == (1, False, 0)  # 0.99x: the codebook table alone reaches it
     assert chosen(minilm, ratio=3) == (1, True, 300)
     assert chosen(bert_base, ratio=2) == (1, True, 300)
     assert chosen(bert_base, ratio=2, layout="ttm") == (3, True, 300)
@@ -393,7 +394,9 @@ def test_a_compensated_conversion_makes_up_for_the_error_of_the_layers_before_it
 
 def test_compensation_follows_the_cut_unless_told_and_is_true_or_false():
     assert ConvertOptions(ratio=4).compensate is True
-    assert ConvertOptions(ratio=1.4).compensate is False and ConvertOptions(rank=8).compensate is False
+    # Off where the layers need no cut (the codebook table alone reaches the ratio) and for a fixed rank.
+    assert ConvertOptions(ratio=1.9, layers_cut=0.99).compensate is False and ConvertOptions(rank=8).compensate is False
+    assert ConvertOptions(ratio=2, layers_cut=1.05).compensate is True  # MiniLM at --ratio 2
     assert ConvertOptions(ratio=2).compensate is True  # before the model is known its cut is the ratio
     assert ConvertOptions(ratio=2, word_embedding="tt").compensate is False  # a TT table: from --ratio 3
     assert ConvertOptions(ratio=1.4, compensate=True).compensate is True

@@ -70,7 +70,9 @@ def test_bad_reconstruction_options_are_refused(options, message):
 
 
 def test_reconstruction_follows_the_cut_as_compensation_does():
-    assert ConvertOptions(ratio=4).reconstruct_steps == 300 and ConvertOptions(ratio=1.4).reconstruct_steps == 0
+    assert ConvertOptions(ratio=4).reconstruct_steps == 300
+    assert ConvertOptions(ratio=2, layers_cut=1.05).reconstruct_steps == 300  # MiniLM at --ratio 2
+    assert ConvertOptions(ratio=1.9, layers_cut=0.99).reconstruct_steps == 0  # the layers need no cut
     assert ConvertOptions(ratio=2, word_embedding="tt").reconstruct_steps == 0  # a TT table: from --ratio 3
     assert ConvertOptions(rank=8).reconstruct_steps == 0
     assert ConvertOptions(ratio=4, calibration_sequences=16).reconstruct_steps == 0  # too few to hold 16 out
@@ -84,7 +86,8 @@ def test_calibration_sequences_follow_the_model_size_where_compensating():
     assert compensating.sequences_for(109_482_240) == 144  # bert-base's shape
     assert compensating.sequences_for(1_100_000_000) == 128  # a 1.1 B Llama: never below the default
     assert compensating.sequences_for(1_000) == 512  # a tiny model: never above the cap
-    assert ConvertOptions(ratio=1.4).sequences_for(22_713_216) == 128  # no compensation below a 1.5x cut
+    # MiniLM at --ratio 1.9: the codebook table alone reaches it, the layers need no cut, no compensation
+    assert ConvertOptions(ratio=1.9, layers_cut=0.99).sequences_for(22_713_216) == 128
     assert ConvertOptions(ratio=4, compensate=False).sequences_for(22_713_216) == 128
     assert ConvertOptions(ratio=4, calibration_sequences=64).sequences_for(22_713_216) == 64  # as asked
     with pytest.raises(ConfigError, match="calibration_sequences as a positive integer"):

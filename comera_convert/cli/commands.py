@@ -64,7 +64,8 @@ def _default_out(model: str, ratio, rank) -> str:
                    "model's size allows, up to 512: MiniLM 512, a bert-base 144, 1 B parameters 128].")
 @click.option("--compensate/--no-compensate", default=None,
               help="Fit each layer to the inputs the compressed layers before it produce, not to the dense "
-                   "model's (calibrating block by block) [default: where --ratio cuts the factorized layers 1.5x or more: MiniLM from --ratio 2.8, a bert-base from 2].")
+                   "model's (calibrating block by block) [default: where --ratio cuts the factorized layers at "
+                   "all: MiniLM from --ratio 1.92, a bert-base from 1.25].")
 @click.option("--reconstruct-steps", type=int, default=None, metavar="N",
               help="Tune each block for N Adam steps to reproduce the dense block's outputs after the "
                    "closed-form fit (block-wise reconstruction) [default: where compensating, given 32 calibration "

@@ -51,10 +51,16 @@ ONE_MODE_FROM_RATIO = 4.0
 # / 0.759, against 0.795 / 0.762 / 0.844 / 0.832, cosine 0.694 / 0.606 / 0.627 / 0.638 without
 # (three modes, 128 sequences: what a bert-base got at --ratio 2 before); at --ratio 2 (cut 1.05x,
 # one mode) it lost cosine on every domain, 0.924 / 0.907 / 0.915 / 0.918 against 0.941 / 0.929 /
-# 0.937 / 0.937 (BENCHMARKS.md, Defaults by the layers' cut). On from this cut with a codebook
-# table (MiniLM from --ratio 2.8); with a TT table from COMPENSATE_FROM_RATIO (MiniLM with a TT
-# table at --ratio 2: 0.81-0.85 kept instead of 0.84-0.86).
-COMPENSATE_FROM_CUT = 1.5
+# 0.937 / 0.937 (BENCHMARKS.md, Defaults by the layers' cut). With reconstruction (its step
+# budget) and the english+python-stdlib calibration it gains there too: --ratio 2 1.004 / 0.905 /
+# 0.966 / 0.985, cosine 0.952 / 0.967 / 0.956 / 0.955, against 0.952 / 0.952 / 0.992 / 0.978,
+# cosine 0.944 / 0.950 / 0.950 / 0.949; --ratio 2.5 (cut 1.33x) 0.924 / 0.857 / 0.992 / 0.955,
+# cosine 0.897 / 0.933 / 0.902 / 0.904, against 0.892 / 0.905 / 0.947 / 0.918, cosine 0.837 /
+# 0.853 / 0.849 / 0.847 (BENCHMARKS.md, Compensation at every cut). So with a codebook table it
+# is on wherever the ratio cuts the factorized layers at all (MiniLM from --ratio 1.92, a
+# bert-base from 1.25); with a TT table from COMPENSATE_FROM_RATIO (MiniLM with a TT table at
+# --ratio 2: 0.81-0.85 kept instead of 0.84-0.86).
+COMPENSATE_ABOVE_CUT = 1.0
 COMPENSATE_FROM_RATIO = 3.0
 # The options whose defaults depend on others (the ratio, the table, the model's cut): chosen
 # again when those change (``replace``, ``for_model``).
@@ -117,7 +123,7 @@ def default_compensation(ratio: float | None, cut: float | None, *, codebook: bo
     ``cut`` with a codebook table, by the ratio with a TT table."""
     if ratio is None:
         return False
-    return cut >= COMPENSATE_FROM_CUT if codebook else ratio >= COMPENSATE_FROM_RATIO
+    return cut > COMPENSATE_ABOVE_CUT if codebook else ratio >= COMPENSATE_FROM_RATIO
 
 
 @dataclass
@@ -156,15 +162,15 @@ class ConvertOptions:
     # Calibrating block by block (`comera convert` of a safetensors checkpoint), fit each linear
     # layer to the inputs the already compressed layers before it produce, so that errors do not
     # compound (hf/compensating.py). False: every layer fit to the dense model's inputs. None
-    # (default_compensation): on from COMPENSATE_FROM_CUT with a codebook table, from
+    # (default_compensation): above COMPENSATE_ABOVE_CUT with a codebook table, from
     # COMPENSATE_FROM_RATIO with a TT table, off below and for a fixed --rank.
     compensate: bool | None = None
     # Block-wise reconstruction (hf/reconstruction.py): after the closed-form fit, each block's
     # factors, biases and norms are tuned for this many Adam steps (8 sequences each, at
     # reconstruct_lr, decayed to zero) to reproduce the dense block's outputs from the inputs the
     # compressed blocks before it give; kept only where it lowers the distance on a held-out
-    # calibration batch. 0: off. None follows the cut, as compensation does: RECONSTRUCT_STEPS from
-    # COMPENSATE_FROM_CUT on, off below and for a fixed --rank.
+    # calibration batch. 0: off. None follows the cut, as compensation does: RECONSTRUCT_STEPS above
+    # COMPENSATE_ABOVE_CUT, off below and for a fixed --rank.
     reconstruct_steps: int | None = None
     reconstruct_lr: float = 1e-3
     # How --ratio's budget is split: "uniform" (one shared maximum rank), "measured" (per-kind rank

@@ -14,9 +14,10 @@ it (the dense copy, the compressed block) and its layers are written out.
 
 Measured on all-MiniLM-L6-v2 at --ratio 4 (BENCHMARKS.md, Conversion routes side by side): the
 share of dense recall@1 kept rose from 0.49-0.62 to 0.72-0.74 on three natural-language domains,
-two of which the calibration never read, and from 0.38 to 0.52 on code. At --ratio 2 it kept a
-little less than the dense fit, so it is on by default where the ratio cuts the factorized
-layers 1.5x or more (MiniLM from --ratio 2.8; ``ConvertOptions``, ``conversion/regime.py``).
+two of which the calibration never read, and from 0.38 to 0.52 on code. With block
+reconstruction it also gains where the factorized layers are cut least (MiniLM at --ratio 2 and
+2.5), so it is on by default wherever the ratio cuts them at all (MiniLM from --ratio 1.92;
+``ConvertOptions``, ``conversion/regime.py``).
 """
 
 from __future__ import annotations
