@@ -282,7 +282,8 @@ def _sequential_calibration(model, streamed, path, options: ConvertOptions, toke
         steps = options.reconstruct_steps_for(sum(p.numel() for p in model.get_submodule(blocks)[0].parameters()))
         reconstruct = (steps, options.reconstruct_lr) if steps else None
         return CompensatingCalibration(model, streamed, plan, candidates, blocks, options.calibration,
-                                       fit_to_compressed=options.compensate, reconstruct=reconstruct, **common)
+                                       fit_to_compressed=options.compensate, reconstruct=reconstruct,
+                                       grid=integer_storage(options.dtype, options.group_size), **common)
     return SequentialCalibration(model, streamed, plan, candidates, blocks, options.calibration, **common)
 
 

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ..conversion.calibration import add_gram
+from ..integer import IntegerFormat
 from .reconstruction import BlockFit, reconstruct_block
 from .sequential import BlockInputs, SequentialCalibration, StopForward, capture_into, hidden_of
 from .streaming import load_module
@@ -55,12 +56,13 @@ class CompensatingCalibration(SequentialCalibration):
 
     ``fit_to_compressed`` False fits each layer to the dense inputs instead (the streams still run,
     for reconstruction); ``reconstruct`` (steps, learning rate), when given, tunes each block once
-    its layers are converted (``reconstruction.py``), its fits collected in ``fits``."""
+    its layers are converted (``reconstruction.py``), its fits collected in ``fits``; ``grid``, the
+    checkpoint's integer storage (None: floats), the grid reconstruction tunes on."""
 
     def __init__(self, *args, fit_to_compressed: bool = True, reconstruct: tuple[int, float] | None = None,
-                 **kwargs):
+                 grid: IntegerFormat | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.fit_to_compressed, self.reconstruct = fit_to_compressed, reconstruct
+        self.fit_to_compressed, self.reconstruct, self.grid = fit_to_compressed, reconstruct, grid
         self.fits: list[BlockFit] = []  # one per block, when reconstructing
         self.compressed_inputs: list[BlockInputs] | None = None  # the compressed stream, at the open block
         self.open: int | None = None  # the block whose layers are being converted
@@ -175,7 +177,8 @@ class CompensatingCalibration(SequentialCalibration):
         if self.reconstruct is not None:
             steps, lr = self.reconstruct
             targets = [hidden_of(output) for output in self.last_outputs]
-            self.fits.append(reconstruct_block(block, self.open, self.compressed_inputs, targets, steps, lr))
+            self.fits.append(reconstruct_block(block, self.open, self.compressed_inputs, targets, steps, lr,
+                                               grid=self.grid))
         for inputs in self.compressed_inputs:
             inputs.run(block)
         for name in self.converted:

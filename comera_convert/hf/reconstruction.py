@@ -10,17 +10,27 @@ biases and norms (not the rank gates, which would only rescale the factors). The
 batch is held out: the block keeps the tuned parameters only where they lower the error there,
 and falls back to the closed-form fit, with a one-line warning, where they do not or where a step
 is not finite (so no NaN is ever saved).
+
+With integer storage (``grid``: ``--dtype int8|int4``) the block is tuned on its factors rounded to
+that grid (quantization-aware, as OmniQuant and BRECQ tune rounded blocks: the forward passes run
+on ``fake_quantize``'s values), then its factors are rounded there in place: what the blocks after
+it are fit to and what the checkpoint writes are the values the tuning saw. Tuned in float and
+rounded only as written, the tuning's gain is partly lost to the rounding (BENCHMARKS.md,
+Reconstruction on the integer grid).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
+from ..conversion.storage import round_in_place
+from ..integer import IntegerFormat
+from ..layers import TTModule
 from .sequential import hidden_of
 
 logger = logging.getLogger("comera_convert")
@@ -92,10 +102,26 @@ def _rows(batch, start: int, stop: int):
 
 
 def reconstruct_block(block: nn.Module, index: int, inputs, targets, steps: int, lr: float,
-                      seed: int = 0) -> BlockFit:
+                      seed: int = 0, grid: IntegerFormat | None = None) -> BlockFit:
     """Tune ``block`` (in place) for ``steps`` Adam steps so that it maps ``inputs`` (BlockInputs of
     the compressed stream) onto ``targets`` (the dense block's hidden states), the last batch held
-    out; keep the result only where it lowers the held-out error (module docstring)."""
+    out; keep the result only where it lowers the held-out error; with ``grid``, on its factors
+    rounded to it (module docstring)."""
+    layers = [m for m in block.modules() if isinstance(m, TTModule)] if grid is not None else []
+    for layer in layers:
+        layer.integer_format = grid
+    try:
+        return _tuned(block, index, inputs, targets, steps, lr, seed)
+    finally:
+        for layer in layers:
+            layer.integer_format = None
+            # fake_quantize's grid: each group's scale by its largest magnitude. Factors the
+            # conversion rounded already (by the clip search) sit on it, so an untuned block keeps them.
+            round_in_place(layer, replace(grid, clip_search=False))
+        forget_caches(block)
+
+
+def _tuned(block: nn.Module, index: int, inputs, targets, steps: int, lr: float, seed: int) -> BlockFit:
     train_inputs, train_targets = inputs[:-1], targets[:-1]
     before = held_out_distance(block, inputs[-1:], targets[-1:])
     params = tunable(block)
