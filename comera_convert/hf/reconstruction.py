@@ -122,6 +122,7 @@ def reconstruct_block(block: nn.Module, index: int, inputs, targets, steps: int,
 
 
 def _tuned(block: nn.Module, index: int, inputs, targets, steps: int, lr: float, seed: int) -> BlockFit:
+    """The steps themselves, on whatever the block's layers run (``reconstruct_block``)."""
     train_inputs, train_targets = inputs[:-1], targets[:-1]
     before = held_out_distance(block, inputs[-1:], targets[-1:])
     params = tunable(block)
