@@ -28,9 +28,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from ..conversion.storage import round_in_place
+from ..conversion.storage import round_in_place, train_on_the_grid
 from ..integer import IntegerFormat
-from ..layers import TTModule
 from .sequential import hidden_of
 
 logger = logging.getLogger("comera_convert")
@@ -107,17 +106,18 @@ def reconstruct_block(block: nn.Module, index: int, inputs, targets, steps: int,
     the compressed stream) onto ``targets`` (the dense block's hidden states), the last batch held
     out; keep the result only where it lowers the held-out error; with ``grid``, on its factors
     rounded to it (module docstring)."""
-    layers = [m for m in block.modules() if isinstance(m, TTModule)] if grid is not None else []
-    for layer in layers:
-        layer.integer_format = grid
+    if grid is None:
+        return _tuned(block, index, inputs, targets, steps, lr, seed)
+    train_on_the_grid(block, grid)
     try:
         return _tuned(block, index, inputs, targets, steps, lr, seed)
     finally:
-        for layer in layers:
-            layer.integer_format = None
-            # fake_quantize's grid: each group's scale by its largest magnitude. Factors the
-            # conversion rounded already (by the clip search) sit on it, so an untuned block keeps them.
-            round_in_place(layer, replace(grid, clip_search=False))
+        # fake_quantize's grid: each group's scale by its largest magnitude. Factors the conversion
+        # rounded already (by the clip search) sit on it, so an untuned block keeps them.
+        snapped = replace(grid, clip_search=False)
+        for layer in [m for m in block.modules() if getattr(m, "integer_format", None) is not None]:
+            round_in_place(layer, snapped)
+        train_on_the_grid(block, None)
         forget_caches(block)
 
 
