@@ -5,7 +5,8 @@
     model.save_pretrained("model-tt4")                       # a compressed checkpoint
     AutoModel.from_pretrained("model-tt4")                   # loads it (after the import)
 
-Importing the package registers the "comera" loading method with transformers; that is its one
+Importing the package registers the "comera" loading method with transformers (as transformers'
+quantizers load, which ``from_pretrained`` does first: ``hf/registration.py``); that is its one
 side effect. Everything else loads when first used, so the CLI's --help stays quick.
 """
 
@@ -15,7 +16,7 @@ import importlib
 
 __version__ = "0.1.0"
 
-from .hf.quantizer import register as _register_with_transformers  # noqa: E402
+from .hf.registration import register_with_transformers as _register_with_transformers  # noqa: E402
 
 _register_with_transformers()
 

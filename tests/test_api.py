@@ -43,11 +43,23 @@ def test_every_verb_is_exported():
 
 
 def test_import_registers_the_loader_and_loads_nothing_else():
+    # The import itself loads neither transformers' quantizers (seconds of backends) nor torch; the
+    # method is registered as the quantizers load, which from_pretrained does first.
     script = ("import sys, comera_convert; "
-              "from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING; "
-              "print('comera' in AUTO_QUANTIZER_MAPPING, "
+              "print(any(m in sys.modules for m in ('transformers.quantizers', 'torch'))); "
+              "from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING; "
+              "print('comera' in AUTO_QUANTIZER_MAPPING, 'comera' in AUTO_QUANTIZATION_CONFIG_MAPPING, "
               "any(m in sys.modules for m in ('comera_convert.training.run', 'transformers.trainer', "
               "'comera_convert.api', 'matplotlib')))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["False", "True", "True", "False"], done.stderr[-2000:]
+
+
+def test_import_after_transformers_loaded_its_quantizers_registers_at_once():
+    script = ("import sys; from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING; "
+              "import comera_convert; from comera_convert.hf.registration import RegisterAfterLoading; "
+              "print('comera' in AUTO_QUANTIZER_MAPPING, "
+              "any(isinstance(f, RegisterAfterLoading) for f in sys.meta_path))")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.stdout.split() == ["True", "False"], done.stderr[-2000:]
 
