@@ -66,6 +66,16 @@ def stdlib_files() -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts)
 
 
+def check_source(source: str) -> None:
+    """Refuse, before anything slow, a source that names a file or folder that is not there, or a
+    built-in corpus misspelled (a dataset name is only known to be wrong when it fails to load)."""
+    if source in BUILTIN_SOURCES or Path(source).expanduser().exists():
+        return
+    if Path(source).suffix in (".txt", ".jsonl", ".json") or "/" in source and not Path(source).parent.exists():
+        raise ConfigError(f"--data {source}: no such file or directory")
+    check_corpus_name(source)
+
+
 def check_corpus_name(source: str) -> None:
     """Refuse a name that is no file or folder but close to a built-in corpus's (a typo), before a
     dataset hub is asked for it."""
@@ -203,10 +213,8 @@ def documents(source: str) -> Iterator[str]:
             text = _read(file)
             if text:
                 yield text
-    elif path.suffix in (".txt", ".jsonl", ".json") or "/" in source and not Path(source).parent.exists():
-        raise ConfigError(f"--data {source}: no such file or directory")
     else:
-        check_corpus_name(source)
+        check_source(source)
         yield from _dataset(source)
 
 

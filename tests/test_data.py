@@ -50,6 +50,21 @@ def test_unknown_corpus_names_list_the_built_in_ones():
         list(documents("python_stdlib"))
 
 
+def test_a_missing_calibration_file_is_refused_with_the_options(tmp_path):
+    """Before any model is read: ConvertOptions refuses a path that is not there, as reading it would."""
+    from comera_convert.conversion import ConvertOptions
+
+    for missing in (str(tmp_path / "texts.txt"), "no/such/folder"):
+        with pytest.raises(ConfigError, match=f"--data {missing}: no such file or directory"):
+            ConvertOptions(ratio=4, calibration=missing)
+        with pytest.raises(ConfigError, match="no such file or directory"):
+            list(documents(missing))
+    (tmp_path / "texts.txt").write_text("alpha text")
+    assert ConvertOptions(ratio=4, calibration=str(tmp_path / "texts.txt")).calibration == str(tmp_path / "texts.txt")
+    with pytest.raises(ConfigError, match="did you mean 'english'"):
+        ConvertOptions(ratio=4, calibration="englsh")
+
+
 def test_text_file_directory_and_jsonl(tmp_path):
     (tmp_path / "a.txt").write_text("alpha text")
     (tmp_path / "dir").mkdir()

@@ -329,9 +329,9 @@ class ConvertOptions:
             raise ConfigError(expected("calibration as a data source (a path, dataset name, english or "
                                        "python-stdlib)", self.calibration))
         if self.calibration is not None:
-            from ..text import check_corpus_name
+            from ..text import check_source
 
-            check_corpus_name(self.calibration)
+            check_source(self.calibration)  # a missing file refused here, not after the model has loaded
         for name in ("targets", "exclude"):
             value = getattr(self, name)
             if isinstance(value, str):
