@@ -71,9 +71,16 @@ def check_source(source: str) -> None:
     built-in corpus misspelled (a dataset name is only known to be wrong when it fails to load)."""
     if source in BUILTIN_SOURCES or Path(source).expanduser().exists():
         return
-    if Path(source).suffix in (".txt", ".jsonl", ".json") or "/" in source and not Path(source).parent.exists():
+    if _reads_as_a_path(source):
         raise ConfigError(f"--data {source}: no such file or directory")
     check_corpus_name(source)
+
+
+def _reads_as_a_path(source: str) -> bool:
+    """Whether a source that is not there names a file or folder rather than a dataset: a text
+    file's suffix, a start at the root, here or home, or deeper than a hub id's owner/name."""
+    return (Path(source).suffix in (".txt", ".jsonl", ".json") or source.startswith(("/", ".", "~"))
+            or source.count("/") > 1)
 
 
 def check_corpus_name(source: str) -> None:
