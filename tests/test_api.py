@@ -55,6 +55,18 @@ def test_import_registers_the_loader_and_loads_nothing_else():
     assert done.stdout.split() == ["False", "True", "True", "False"], done.stderr[-2000:]
 
 
+def test_the_registering_loader_stands_in_for_the_packages_own():
+    import copy
+    import importlib.util
+
+    from comera_convert.hf.registration import ThenRegister
+
+    spec = importlib.util.find_spec("json")
+    wrapped = ThenRegister(spec.loader)
+    assert wrapped.is_package("json") and wrapped.get_filename("json") == spec.origin
+    assert copy.copy(wrapped).get_filename("json") == spec.origin  # copied without recursing
+
+
 def test_import_after_transformers_loaded_its_quantizers_registers_at_once():
     script = ("import sys; from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING; "
               "import comera_convert; from comera_convert.hf.registration import RegisterAfterLoading; "
