@@ -73,7 +73,10 @@ def check_source(source: str) -> None:
         return
     if _reads_as_a_path(source):
         raise ConfigError(f"--data {source}: no such file or directory")
-    check_corpus_name(source)
+    close = difflib.get_close_matches(source, BUILTIN_SOURCES, n=1, cutoff=0.7)
+    if close:  # a typo, refused before a dataset hub is asked for it
+        raise ConfigError(f"{source!r} is not a built-in corpus (they are {', '.join(BUILTIN_SOURCES)}); "
+                          f"did you mean {close[0]!r}?")
 
 
 def _reads_as_a_path(source: str) -> bool:
@@ -81,15 +84,6 @@ def _reads_as_a_path(source: str) -> bool:
     file's suffix, a start at the root, here or home, or deeper than a hub id's owner/name."""
     return (Path(source).suffix in (".txt", ".jsonl", ".json") or source.startswith(("/", ".", "~"))
             or source.count("/") > 1)
-
-
-def check_corpus_name(source: str) -> None:
-    """Refuse a name that is no file or folder but close to a built-in corpus's (a typo), before a
-    dataset hub is asked for it."""
-    close = difflib.get_close_matches(source, BUILTIN_SOURCES, n=1, cutoff=0.7)
-    if close and source not in BUILTIN_SOURCES and not Path(source).expanduser().exists():
-        raise ConfigError(f"{source!r} is not a built-in corpus (they are {', '.join(BUILTIN_SOURCES)}); "
-                          f"did you mean {close[0]!r}?")
 
 
 def english_documents() -> Iterator[str]:

@@ -3,9 +3,9 @@
 ``import comera_convert`` must leave ``AutoModel.from_pretrained`` able to load a compressed
 checkpoint. Registering needs transformers' quantizers package, and importing it imports
 transformers' model-loading machinery, torch's compiler and the backends installed beside them
-(such as hqq): about 7 s on 2 CPU cores, which ``comera --help`` and every command that fails on its options
-paid before doing anything. So the method is registered the moment that package has loaded
-(``from_pretrained`` always loads it first), or at once where it has loaded already.
+(such as hqq): about 7 s on 2 CPU cores, which ``comera --help`` and every command that fails on
+its options paid before doing anything. So the method is registered the moment that package has
+loaded (``from_pretrained`` always loads it first), or at once where it has loaded already.
 """
 
 from __future__ import annotations
