@@ -11,7 +11,7 @@ import comera_convert
 ROOT = Path(comera_convert.__file__).parent
 # Lowest first. A part may import its own layer and the layers below it.
 LAYERS = [
-    {"errors", "progress", "option_files"},
+    {"errors", "progress", "option_files", "choices"},
     {"tt", "codebook", "integer", "text"},
     {"layers"},
     {"conversion"},
@@ -21,7 +21,7 @@ LAYERS = [
     {"api", "checkpoint_info", "recipes", "frontier"},
     {"bench", "cli", "__init__", "__main__"},
 ]
-WITHOUT_TRANSFORMERS = {"errors", "progress", "option_files", "tt", "codebook", "integer", "text", "layers",
+WITHOUT_TRANSFORMERS = {"errors", "progress", "option_files", "choices", "tt", "codebook", "integer", "text", "layers",
                         "conversion"}
 
 

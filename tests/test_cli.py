@@ -39,6 +39,27 @@ def test_help_of_every_command(command):
             assert param.opts[-1] in result.output, f"{command}: {param.opts[-1]} missing from --help"
 
 
+def test_help_loads_neither_torch_nor_transformers():
+    """`comera --help` and every command's --help come from torch-free option lists (comera_convert/choices.py):
+    one fresh process asks for each and then looks at what it imported."""
+    import subprocess
+    import sys
+
+    script = ("import sys; from click.testing import CliRunner; from comera_convert.cli import main; "
+              "codes = [CliRunner().invoke(main, [*c, '--help']).exit_code for c in [[], *[[n] for n in main.commands]]]; "
+              "print(set(codes), [m for m in ('torch', 'transformers') if m in sys.modules])")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "{0} []", done.stdout + done.stderr[-2000:]
+
+
+def test_the_option_lists_are_the_ones_the_library_acts_on():
+    from comera_convert import bench, choices
+    from comera_convert.training import objectives
+
+    assert tuple(bench.CASES) == choices.BENCH_CASES
+    assert set(objectives.STATE_DISTANCES) == set(choices.DISTILL_STATES)
+
+
 def test_convert_report_decompress(dense_dir, tmp_path):
     out = tmp_path / "tiny-tt3"
     result = run("convert", dense_dir, "--ratio", "3", "--out", out)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..choices import TRAIN_MODELS
 from ..errors import ConfigError, expected
 from .timing import PeakMemory, graphed, median_seconds
 
@@ -49,10 +50,6 @@ def split_variant(variant: str) -> tuple[str, str]:
     return variant, ""
 
 
-# The models whose training step is timed (random weights, each with its language-model head):
-# bert-base as a masked LM, CoMERA's pre-training setting, and TinyLlama's shape as a causal LM, the
-# size where the linears' GEMMs, not the host, dominate a GPU's step.
-TRAIN_MODELS = ("bert-base", "llama-1.1b")
 # TinyLlama's shape: hidden 2048, intermediate 5632, 22 layers, 32 heads, 4 KV heads (1.1 B
 # parameters, its input and output embeddings untied).
 LLAMA_1_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,

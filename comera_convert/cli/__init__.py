@@ -7,6 +7,7 @@ lazily, so `comera --help` is instant. Library errors become one red line and ex
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -75,11 +76,21 @@ def main(quiet: bool) -> None:
     Convert a model with `comera convert`, inspect it with `comera report`,
     get a dense checkpoint back with `comera decompress`.
     """
-    from transformers.utils import logging as hf_logging
+    quiet_transformers()
 
-    # transformers' own tqdm bars and load reports would interleave with our output.
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
+
+def quiet_transformers() -> None:
+    """transformers' own tqdm bars and load reports would interleave with our output: silence them.
+    Where transformers is not imported yet (``comera CMD --help`` never imports it), its environment
+    variables say the same when it loads, so the group's callback costs no import."""
+    if "transformers.utils.logging" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    else:
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def _register() -> None:

@@ -8,10 +8,9 @@ from pathlib import Path
 import click
 
 from . import main
-from ..bench.models import TRAIN_MODELS
+from ..choices import BENCH_CASES as CASE_NAMES, TRAIN_MODELS
 from .console import console, echo_json, progress_display
 
-CASE_NAMES = ("layer", "embedding", "train-step", "convert", "inference")
 COLUMNS = ("method", "shape", "tokens", "ranks", "params_ratio", "flop_ratio", "speedup", "speedup_per_flop_ratio",
            "graph_speedup", "graph_speedup_per_flop_ratio",
            "ms", "seconds", "tokens_per_s", "peak_mb", "speed_vs_dense", "memory_vs_dense", "speed_vs_galore",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from ..conversion.options import ALLOCATIONS, WORD_EMBEDDINGS
+from ..choices import ALLOCATIONS, WORD_EMBEDDINGS
 from ..errors import ConfigError
 from ..models import TASK_CLASSES
 from . import main

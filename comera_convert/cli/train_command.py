@@ -6,7 +6,7 @@ import time
 
 import click
 
-from ..training.options import DISTILL_MODES, DISTILL_STATES, LR_SCHEDULERS, OBJECTIVES
+from ..choices import DISTILL_MODES, DISTILL_STATES, LR_SCHEDULERS, OBJECTIVES
 from . import main
 from .commands import command_line
 from .console import console, echo_json, progress_console, show_library_logs

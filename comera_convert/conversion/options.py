@@ -6,13 +6,13 @@ import dataclasses
 import math
 from dataclasses import InitVar, asdict, dataclass
 
+from ..choices import ALLOCATIONS, WORD_EMBEDDINGS
 from ..errors import ConfigError, expected
 from ..option_files import from_mapping
 from ..tt.spec import LAYOUTS
 from .calibration import BATCH as CALIBRATION_BATCH, DEFAULT_SEQUENCES
 from .storage import check_storage
 
-ALLOCATIONS = ("uniform", "measured", "sensitivity")
 # With a codebook word table (the default with --ratio), compensation and reconstruction (and
 # with them the calibration's size) follow how hard the ratio cuts the model's factorized layers
 # (``regime.layers_cut``), not the ratio itself: all-MiniLM-L6-v2, where they
@@ -99,7 +99,6 @@ MIN_RECONSTRUCT_STEPS = 25
 # Streaming conversion).
 CALIBRATION_PARAM_TOKENS = 144 * 128 * 110_000_000
 MAX_CALIBRATION_SEQUENCES = 512
-WORD_EMBEDDINGS = ("tt", "codebook")
 # Reconstruction holds out the last calibration batch and trains on the others.
 RECONSTRUCTION_HELD_OUT = CALIBRATION_BATCH
 RECONSTRUCTION_MIN_SEQUENCES = 2 * RECONSTRUCTION_HELD_OUT

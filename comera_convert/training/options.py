@@ -11,25 +11,15 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
+from ..choices import DISTILL_MODES, DISTILL_STATES, LR_SCHEDULERS, OBJECTIVES
 from ..errors import ConfigError, expected
 from ..option_files import from_mapping
 
-OBJECTIVES = ("auto", "mlm", "clm", "distill")
-# How distillation feeds the student's blocks (training/objectives.py): end to end, each block reads
-# the student's own block before it; block-wise, each reads the teacher's hidden states before it,
-# so each block learns its own block's map and no error carries from one block to the next.
-DISTILL_MODES = ("end-to-end", "block-wise")
-# How distillation matches each hidden state: its squared error relative to the teacher's, or
-# each token's cosine distance (objectives.STATE_DISTANCES).
-DISTILL_STATES = ("relative-mse", "cosine")
 # Where the conversion cut the factorized layers at least this much (its report's layers_cut),
 # distillation matches each state's direction by default: measured better where they are cut 3.8x
 # (--ratio 6) and 5.6x (--ratio 8), worse at 2.3x (--ratio 4); between those unmeasured, and a
 # 768-wide encoder's --ratio 4 cuts them 3.4x (BENCHMARKS.md, Distilling each state's direction).
 COSINE_STATES_FROM_CUT = 3.0
-# Learning-rate schedules after the warm-up (transformers' names). CoMERA trains at constant rates;
-# a decaying rate ends distillation on a settled model instead of a noisy iterate.
-LR_SCHEDULERS = ("constant", "linear", "cosine")
 # The options left unset (None) take these by objective. Pre-training (mlm, clm) keeps CoMERA's
 # rates. Distillation starts far from its optimum and matches an eval-mode teacher, so it trains the
 # cores faster, without dropout, and ends on a decayed rate (recipes/train-minilm-distill.yaml, where

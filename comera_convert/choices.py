@@ -1,0 +1,33 @@
+"""The names options choose from, in one torch-free module.
+
+The CLI builds its option lists from these, so `comera --help` starts without importing torch;
+the modules that act on a name (conversion/options.py, training/options.py, bench/models.py)
+import it from here, so each list is written once.
+"""
+
+from __future__ import annotations
+
+# How conversion shares the ratio's parameters out among layers (conversion/strategies.py).
+ALLOCATIONS = ("uniform", "measured", "sensitivity")
+# What the input word table becomes: a TT, or a product-quantized codebook table.
+WORD_EMBEDDINGS = ("tt", "codebook")
+
+# Training objectives; "auto" picks one from the checkpoint (training/objectives.py).
+OBJECTIVES = ("auto", "mlm", "clm", "distill")
+# How distillation feeds the student's blocks (training/objectives.py): end to end, each block reads
+# the student's own block before it; block-wise, each reads the teacher's hidden states before it,
+# so each block learns its own block's map and no error carries from one block to the next.
+DISTILL_MODES = ("end-to-end", "block-wise")
+# How distillation matches each hidden state: its squared error relative to the teacher's, or
+# each token's cosine distance (objectives.STATE_DISTANCES).
+DISTILL_STATES = ("relative-mse", "cosine")
+# Learning-rate schedules after the warm-up (transformers' names). CoMERA trains at constant rates;
+# a decaying rate ends distillation on a settled model instead of a noisy iterate.
+LR_SCHEDULERS = ("constant", "linear", "cosine")
+
+# `comera bench`'s cases, and the models whose training step it times (random weights, each with
+# its language-model head): bert-base as a masked LM, CoMERA's pre-training setting, and
+# TinyLlama's shape as a causal LM, the size where the linears' GEMMs, not the host, dominate a
+# GPU's step.
+BENCH_CASES = ("layer", "embedding", "train-step", "convert", "inference")
+TRAIN_MODELS = ("bert-base", "llama-1.1b")
