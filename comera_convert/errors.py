@@ -16,6 +16,19 @@ class ConfigError(ComeraError, ValueError):
     """An option or recipe value that is out of range or of the wrong kind."""
 
 
+class SourceError(ConfigError):
+    """A text source that cannot be read, named by the option that gave it (``--data`` unless the caller
+    says otherwise: ``comera convert`` reads ``--calibration``)."""
+
+    def __init__(self, detail: str, option: str = "--data"):
+        self.detail, self.option = detail, option
+        super().__init__(f"{option} {detail}")
+
+    def named(self, option: str) -> "SourceError":
+        """The same failure, worded for the option the user typed."""
+        return SourceError(self.detail, option)
+
+
 class ModelLoadError(ComeraError):
     """A model or checkpoint that cannot be found, read or trusted."""
 

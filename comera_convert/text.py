@@ -31,11 +31,12 @@ import random
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
+from contextlib import contextmanager
 from typing import Iterator
 
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, SourceError
 
 ENGLISH = "english"
 PYTHON_STDLIB = "python-stdlib"
@@ -66,16 +67,28 @@ def stdlib_files() -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts)
 
 
+@contextmanager
+def read_for(option: str):
+    """Read text sources on behalf of ``option``: their failures name it (``--calibration PATH``
+    where that is what the user typed, instead of the ``--data`` that training and eval take)."""
+    try:
+        yield
+    except SourceError as err:
+        if err.option == option:
+            raise
+        raise err.named(option) from None
+
+
 def check_source(source: str) -> None:
     """Refuse, before anything slow, a source that names a file or folder that is not there, or a
     built-in corpus misspelled (a dataset name is only known to be wrong when it fails to load)."""
     if source in BUILTIN_SOURCES or Path(source).expanduser().exists():
         return
     if _reads_as_a_path(source):
-        raise ConfigError(f"--data {source}: no such file or directory")
+        raise SourceError(f"{source}: no such file or directory")
     close = difflib.get_close_matches(source, BUILTIN_SOURCES, n=1, cutoff=0.7)
     if close:  # a typo, refused before a dataset hub is asked for it
-        raise ConfigError(f"{source!r} is not a built-in corpus (they are {', '.join(BUILTIN_SOURCES)}); "
+        raise SourceError(f"{source!r} is not a built-in corpus (they are {', '.join(BUILTIN_SOURCES)}); "
                           f"did you mean {close[0]!r}?")
 
 
@@ -143,7 +156,7 @@ def _text_file(path: Path) -> str:
     has_nul = b"\0" in data[:BINARY_PROBE_BYTES]
     if has_nul or undecodable > MAX_UNDECODABLE_SHARE:
         why = "it holds NUL bytes" if has_nul else f"{undecodable:.0%} of it is not UTF-8"
-        raise ConfigError(f"--data {path} is not a text file ({why}): pass text, a folder of text files, "
+        raise SourceError(f"{path} is not a text file ({why}): pass text, a folder of text files, "
                           f"a JSONL file with a \"text\" field, or a built-in corpus ({', '.join(BUILTIN_SOURCES)})")
     return text
 
@@ -166,7 +179,7 @@ def _dataset(name: str) -> Iterator[str]:
     try:
         import datasets
     except ImportError:
-        raise ConfigError(f"--data {name!r} is neither a file, a directory nor a built-in corpus "
+        raise SourceError(f"{name!r} is neither a file, a directory nor a built-in corpus "
                           f"({', '.join(BUILTIN_SOURCES)}); to use it as a Hugging Face dataset, "
                           "pip install datasets") from None
     try:
@@ -208,7 +221,7 @@ def documents(source: str) -> Iterator[str]:
     elif path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
         if not files:
-            raise ConfigError(f"--data {source}: the directory has no text files "
+            raise SourceError(f"{source}: the directory has no text files "
                               f"(looked for {', '.join(sorted(TEXT_SUFFIXES))})")
         for file in files:
             text = _read(file)
@@ -307,7 +320,7 @@ def sample(source: str, tokenizer, seq_len: int, vocab_size: int, max_tokens: in
             break
     _count(counts, uncounted)
     if not read:
-        raise ConfigError(f"--data {source}: no text found (the source is empty)")
+        raise SourceError(f"{source}: no text found (the source is empty)")
     if unknown is not None and unknown < vocab_size:
         _check_encodable(source, float(counts[unknown]) / read)
     return Sample(per_document, counts, read)
@@ -329,7 +342,7 @@ def _count(counts: torch.Tensor, ids: list[int]) -> None:
 
 def _check_encodable(source: str, unknown_share: float) -> None:
     if unknown_share > MAX_UNKNOWN_SHARE:
-        raise ConfigError(f"--data {source}: the model's tokenizer encodes {unknown_share:.0%} of this text "
+        raise SourceError(f"{source}: the model's tokenizer encodes {unknown_share:.0%} of this text "
                           f"as its unknown token (expected at most {MAX_UNKNOWN_SHARE:.0%}): give text in a "
                           "language and script the tokenizer covers")
 
@@ -439,9 +452,9 @@ def pack(source: str, tokenizer, seq_len: int, max_train_blocks: int, max_held_o
             stream = streams[split]
             blocks[split].append(framing.block(chunk))
     if empty:
-        raise ConfigError(f"--data {source}: no text found (the source is empty)")
+        raise SourceError(f"{source}: no text found (the source is empty)")
     if not blocks["train"]:
-        raise ConfigError(f"--data {source}: too little text for one training block of {seq_len} tokens")
+        raise SourceError(f"{source}: too little text for one training block of {seq_len} tokens")
     train, held_out = blocks["train"], blocks["held_out"]
     if not held_out and max_held_out_blocks and len(train) > 1:
         # Fewer than 20 documents: hold out the last blocks instead (5 %, at least one).

@@ -307,7 +307,7 @@ def test_convert_with_calibration_records_it(dense_dir, tmp_path):
     # The built-in english corpus is all [UNK] to this tokenizer: refused, not calibrated on.
     _one_line_error(run("convert", dense_dir, "--ratio", "2", "--calibration", "english",
                         "--out", tmp_path / "unk"),
-                    "--data english: the model's tokenizer encodes 100% of this text as its unknown token")
+                    "--calibration english: the model's tokenizer encodes 100% of this text as its unknown token")
 
 
 def test_default_calibration_is_the_mix_and_no_calibration_is_plain(dense_dir, tmp_path):

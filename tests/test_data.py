@@ -55,9 +55,9 @@ def test_a_missing_calibration_file_is_refused_with_the_options(tmp_path):
     from comera_convert.conversion import ConvertOptions
 
     for missing in (str(tmp_path / "texts.txt"), "no/such/folder"):
-        with pytest.raises(ConfigError, match=f"--data {missing}: no such file or directory"):
+        with pytest.raises(ConfigError, match=f"^--calibration {missing}: no such file or directory"):
             ConvertOptions(ratio=4, calibration=missing)
-        with pytest.raises(ConfigError, match="no such file or directory"):
+        with pytest.raises(ConfigError, match=f"^--data {missing}: no such file or directory"):
             list(documents(missing))
     (tmp_path / "texts.txt").write_text("alpha text")
     assert ConvertOptions(ratio=4, calibration=str(tmp_path / "texts.txt")).calibration == str(tmp_path / "texts.txt")
@@ -66,6 +66,21 @@ def test_a_missing_calibration_file_is_refused_with_the_options(tmp_path):
     # A hub dataset's owner/name is no path: it is asked for when read (it used to be refused as a
     # missing folder, the owner not being a local directory).
     assert ConvertOptions(ratio=4, calibration="some-owner/some-texts").calibration == "some-owner/some-texts"
+
+
+def test_a_source_that_cannot_be_read_is_named_by_the_option_that_gave_it(tmp_path):
+    from comera_convert.text import read_for
+
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(b"\x00\x01" * 100)
+    with pytest.raises(ConfigError, match=f"^--data {binary} is not a text file"):
+        list(documents(str(binary)))
+    with pytest.raises(ConfigError, match=f"^--calibration {binary} is not a text file") as caught, \
+            read_for("--calibration"):
+        list(documents(str(binary)))
+    assert "--data" not in str(caught.value)
+    with pytest.raises(ConfigError, match="^--calibration 'englsh' is not a built-in corpus"), read_for("--calibration"):
+        list(documents("englsh"))
 
 
 def test_text_file_directory_and_jsonl(tmp_path):

@@ -41,6 +41,8 @@ DEFAULT_SEQUENCES = 128  # a few hundred sequences is what activation-aware SVD 
 DEFAULT_SEQ_LEN = 128
 PROBE_SEQUENCES = 32  # enough for a stable mean cosine, few enough for one quick forward
 BATCH = 16
+# The option that names the calibration text, in the messages of a source that cannot be read.
+CALIBRATION_OPTION = "--calibration"
 # Token frequencies come from up to this many tokens of the calibration text: all of python-stdlib
 # (3.6 M BERT tokens), 95 % of english (4.1 M), about 8 s to tokenize on 2 cores. They cost no
 # forward pass, and the 16 K tokens of the calibration sequences alone miss most of the vocabulary
@@ -172,7 +174,7 @@ class CalibrationPlan:
 def plan_calibration(model: nn.Module, candidates: list[Candidate], tokenizer, data: str, sequences: int,
                      seq_len: int) -> CalibrationPlan:
     """Read ``data`` into ``sequences`` blocks of ``seq_len`` tokens in batches, refusing too few."""
-    from ..text import sample
+    from ..text import read_for, sample
 
     seq_len = min(seq_len, max_positions(model) or seq_len)
     needed = required_sequences(candidates, seq_len)
@@ -182,7 +184,8 @@ def plan_calibration(model: nn.Module, candidates: list[Candidate], tokenizer, d
                           f"{widest_input(candidates)} inputs)")
     words = _input_embedding(model, candidates)
     vocab_size = words.rows if words is not None else len(tokenizer)
-    text = sample(data, tokenizer, seq_len, vocab_size, COUNTED_TOKENS)
+    with read_for(CALIBRATION_OPTION):
+        text = sample(data, tokenizer, seq_len, vocab_size, COUNTED_TOKENS)
     blocks = text.spread(sequences)
     batches = [torch.stack(blocks[i:i + BATCH]) for i in range(0, len(blocks), BATCH)]
     return CalibrationPlan(batches, needed, words, text.counts, text.tokens)

@@ -10,7 +10,7 @@ from ..choices import ALLOCATIONS, WORD_EMBEDDINGS
 from ..errors import ConfigError, expected
 from ..option_files import from_mapping
 from ..tt.spec import LAYOUTS
-from .calibration import BATCH as CALIBRATION_BATCH, DEFAULT_SEQUENCES
+from .calibration import BATCH as CALIBRATION_BATCH, CALIBRATION_OPTION, DEFAULT_SEQUENCES
 from .storage import check_storage
 
 # With a codebook word table (the default with --ratio), compensation and reconstruction (and
@@ -328,9 +328,10 @@ class ConvertOptions:
             raise ConfigError(expected("calibration as a data source (a path, dataset name, english or "
                                        "python-stdlib)", self.calibration))
         if self.calibration is not None:
-            from ..text import check_source
+            from ..text import check_source, read_for
 
-            check_source(self.calibration)  # a missing file refused here, not after the model has loaded
+            with read_for(CALIBRATION_OPTION):  # a missing file refused here, not after the model has loaded
+                check_source(self.calibration)
         for name in ("targets", "exclude"):
             value = getattr(self, name)
             if isinstance(value, str):
