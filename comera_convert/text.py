@@ -347,10 +347,9 @@ def _check_encodable(source: str, unknown_share: float) -> None:
                           "language and script the tokenizer covers")
 
 
-# The built-in corpora are fixed text, so their training documents' token ids are kept for each
-# tokenizer a process meets (int32, 17 MB for english's 4.3 M ids; the two most recent kept): a
-# process that calibrates more than once (the API converting several models, the test suite)
-# tokenizes each corpus once instead of every time, 6 s of english on 2 cores.
+# The built-in corpora are fixed text, so their training documents' token ids are kept for the two
+# tokenizers a process met last (int32, tens of MB): a process that calibrates more than once (the
+# API converting several models, the test suite) tokenizes each corpus once, not every time.
 _KEPT_IDS: dict[tuple[str, str], list[torch.Tensor]] = {}
 KEPT_TOKENIZERS = 2
 

@@ -26,16 +26,9 @@ from .targets import Candidate
 
 logger = logging.getLogger("comera_convert")
 
-# What `comera convert` calibrates on unless told: the english corpus's passages interleaved with
-# pieces of the standard library's source (their training splits), the distillation recipe's mix.
-# all-MiniLM-L6-v2 with the default reconstruction, share of dense recall@1 kept / mean cosine on
-# held-out pairs of two sources the project never reads, against english alone with as many steps:
-# --ratio 4 man pages 0.931 / 0.798, Debian 0.881 / 0.800 against 0.939 / 0.749 and 0.791 / 0.764;
-# --ratio 8 0.866 / 0.678 and 0.854 / 0.686 against 0.847 / 0.614 and 0.866 / 0.646. Held-out
-# english, which english alone fits as its own corpus, loses at --ratio 4 (0.863 / 0.810 against
-# 0.920 / 0.831) and keeps less cosine at --ratio 8 (0.811 / 0.704 against 0.803 / 0.741). Code
-# alone loses prose (BENCHMARKS.md, Quality across domains; Calibration text and reconstruction
-# steps).
+# What `comera convert` calibrates on unless told: english passages interleaved with pieces of the
+# standard library (their training splits). It keeps more than english alone on text the project
+# never reads; code alone loses prose. BENCHMARKS.md#calibration-text-and-reconstruction-steps-session-39
 DEFAULT_CALIBRATION = "english+python-stdlib"
 DEFAULT_SEQUENCES = 128  # a few hundred sequences is what activation-aware SVD methods use
 DEFAULT_SEQ_LEN = 128
@@ -43,19 +36,16 @@ PROBE_SEQUENCES = 32  # enough for a stable mean cosine, few enough for one quic
 BATCH = 16
 # The option that names the calibration text, in the messages of a source that cannot be read.
 CALIBRATION_OPTION = "--calibration"
-# Token frequencies come from up to this many tokens of the calibration text: all of python-stdlib
-# (3.6 M BERT tokens), 95 % of english (4.1 M), about 8 s to tokenize on 2 cores. They cost no
-# forward pass, and the 16 K tokens of the calibration sequences alone miss most of the vocabulary
-# held-out text uses.
+# Token frequencies come from up to this many tokens of the calibration text (all of python-stdlib,
+# most of english): they cost no forward pass, and the calibration sequences alone miss most of the
+# vocabulary held-out text uses.
 COUNTED_TOKENS = 4_000_000
 # Weight of a token never seen in calibration, relative to one occurrence: rare tokens keep some
 # weight (held-out text has words the calibration text lacks), frequent ones dominate.
 UNSEEN_TOKEN_PRIOR = 1.0
-# Embedding rows are weighted by (occurrences + prior) ** (TOKEN_WEIGHT_POWER / 2): 1 minimizes the
-# error of the text read, 0 treats every row alike. Tempered counts (0.5) spread the fit over the
-# tokens other text uses: all-MiniLM-L6-v2 at --ratio 2 calibrated on english, mean cosine on three
-# held-out domains the calibration never read 0.63-0.67 with 1, 0.67-0.72 with 0.5, 0.45-0.49 with 0
-# (BENCHMARKS.md, Quality across domains).
+# Embedding rows are weighted by (occurrences + prior) ** (TOKEN_WEIGHT_POWER / 2): 1 fits the text
+# read, 0 treats every row alike; tempered counts spread the fit over the tokens other text uses.
+# BENCHMARKS.md#quality-across-domains-out-of-domain
 TOKEN_WEIGHT_POWER = 0.5
 
 
@@ -89,6 +79,7 @@ class Calibration:
             table.pop(name, None)
 
     def describe(self) -> str:
+        """One line on what was read: sequences, tokens and token counts."""
         text = f"{self.sequences} sequences ({self.tokens} tokens) of {self.source or 'calibration data'}"
         return text + (f", token frequencies from {self.counted_tokens} tokens" if self.counted_tokens else "")
 

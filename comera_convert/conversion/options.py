@@ -13,90 +13,37 @@ from ..tt.spec import LAYOUTS
 from .calibration import BATCH as CALIBRATION_BATCH, CALIBRATION_OPTION, DEFAULT_SEQUENCES
 from .storage import check_storage
 
-# With a codebook word table (the default with --ratio), compensation and reconstruction (and
-# with them the calibration's size) follow how hard the ratio cuts the model's factorized layers
-# (``regime.layers_cut``), not the ratio itself: all-MiniLM-L6-v2, where they
-# were measured, keeps half its weights in a word table a codebook shrinks 14x, so its other
-# layers are cut 1.05x at --ratio 2, 1.63x at --ratio 3 and 2.28x at --ratio 4; a 768-wide encoder
-# (bert-base's shape) 1.62x at --ratio 2 and 3.36x at --ratio 4. The threshold sits between the
-# cuts of the MiniLM ratios it was measured at, so a model gets what MiniLM got where its layers
-# are cut as hard. With a TT table every layer is factorized and the cut is about the ratio: the
-# defaults follow the ratio as they were measured with TT tables (the *_FROM_RATIO thresholds).
+# With a codebook word table (the default with --ratio), compensation, reconstruction and the
+# calibration's size follow how hard the ratio cuts the factorized layers (``regime.layers_cut``), not
+# the ratio: a model gets what MiniLM got where its layers are cut as hard. With a TT table every
+# layer is factorized, so the defaults follow the ratio (the *_FROM_RATIO thresholds).
 #
-# Modes per side with a codebook table and the tt layout: one (a plain low-rank factorization,
-# whitened by the calibration) at every cut measured. all-MiniLM-L6-v2, share of dense recall@1
-# kept / mean cosine on held-out english / code / man / Debian pairs (BENCHMARKS.md, Defaults by
-# the layers' cut): --ratio 2 (cut 1.05x) one mode 0.952 / 0.952 / 0.996 / 0.970, cosine 0.941 /
-# 0.929 / 0.937 / 0.937, three 0.944 / 0.857 / 0.977 / 0.985, cosine 0.933 / 0.918 / 0.926 / 0.927;
-# --ratio 3 (1.63x, compensating) one mode 0.912 / 0.810 / 0.912 / 0.881, cosine 0.824 / 0.754 /
-# 0.746 / 0.759, two 0.904 / 0.714 / 0.935 / 0.907, cosine 0.798 / 0.727 / 0.712 / 0.731, three
-# 0.876 / 0.857 / 0.950 / 0.892, cosine 0.796 / 0.718 / 0.709 / 0.723. At --ratio 4 one mode keeps
-# about what two keep right after conversion and trains better: 30 minutes of
-# recipes/train-minilm-distill.yaml end at held-out loss 0.568 against 0.651 (3963 steps against
-# 3663: two matrix products per layer instead of a contraction), recall@1 kept 0.94 / 0.76 / 0.94
-# / 0.92 against 0.91 / 0.62 / 0.93 / 0.87 (BENCHMARKS.md, Recovery in CPU minutes); at --ratio 8
-# (reconstruction on) two modes keep less cosine on every domain: 0.513 / 0.415 / 0.381 / 0.392
-# against 0.534 / 0.437 / 0.407 / 0.421 (BENCHMARKS.md, Conversion where the linears carry the
-# cut). A TT table (whose frequent-first rows need modes to sit in the leading slices) and a ttm
-# layout (which needs two or more) follow the ratio: three below TWO_MODES_FROM_RATIO, two from
-# it, one from ONE_MODE_FROM_RATIO with the tt layout (MiniLM with a TT table: at --ratio 4 two
-# modes kept 0.49 / 0.38 / 0.62 / 0.61 against three's 0.43 / 0.33 / 0.46 / 0.53, at --ratio 2
-# three the more; BENCHMARKS.md, Quality). A fixed --rank keeps CoMERA's three.
+# Modes per side: one (a whitened truncated SVD) with a codebook table and the tt layout, which keeps
+# as much or more at every cut measured and trains faster. A TT table and the ttm layout need modes:
+# three below TWO_MODES_FROM_RATIO, two from it, one from ONE_MODE_FROM_RATIO (tt). A fixed --rank
+# keeps CoMERA's three. BENCHMARKS.md#defaults-by-the-layers-cut-session-33
 TWO_MODES_FROM_RATIO = 3.0
 ONE_MODE_FROM_RATIO = 4.0
-# Error compensation (with reconstruction, where it is on) pays where the compression error is
-# large: all-MiniLM-L6-v2 at --ratio 4 kept 0.72-0.74 of dense recall@1 on three natural-language
-# domains instead of 0.49-0.62 (BENCHMARKS.md, Conversion routes side by side); at --ratio 3 (cut
-# 1.63x, as a bert-base's at --ratio 2) 0.912 / 0.810 / 0.912 / 0.881, cosine 0.824 / 0.754 / 0.746
-# / 0.759, against 0.795 / 0.762 / 0.844 / 0.832, cosine 0.694 / 0.606 / 0.627 / 0.638 without
-# (three modes, 128 sequences: what a bert-base got at --ratio 2 before); at --ratio 2 (cut 1.05x,
-# one mode) it lost cosine on every domain, 0.924 / 0.907 / 0.915 / 0.918 against 0.941 / 0.929 /
-# 0.937 / 0.937 (BENCHMARKS.md, Defaults by the layers' cut). With reconstruction (its step
-# budget) and the english+python-stdlib calibration it gains there too: --ratio 2 1.004 / 0.905 /
-# 0.966 / 0.985, cosine 0.952 / 0.967 / 0.956 / 0.955, against 0.952 / 0.952 / 0.992 / 0.978,
-# cosine 0.944 / 0.950 / 0.950 / 0.949; --ratio 2.5 (cut 1.33x) 0.924 / 0.857 / 0.992 / 0.955,
-# cosine 0.897 / 0.933 / 0.902 / 0.904, against 0.892 / 0.905 / 0.947 / 0.918, cosine 0.837 /
-# 0.853 / 0.849 / 0.847 (BENCHMARKS.md, Compensation at every cut). So with a codebook table it
-# is on wherever the ratio cuts the factorized layers at all (MiniLM from --ratio 1.92, a
-# bert-base from 1.25); with a TT table from COMPENSATE_FROM_RATIO (MiniLM with a TT table at
-# --ratio 2: 0.81-0.85 kept instead of 0.84-0.86).
-COMPENSATE_ABOVE_CUT = 1.0
+# Compensation (and reconstruction with it) pays wherever the layers are cut at all once the
+# calibration mixes english and code; with a TT table from --ratio 3.
+# BENCHMARKS.md#compensation-at-every-cut-and-integer-storage-at-todays-defaults-session-40
+COMPENSATE_ABOVE_CUT = 1.0  # strict: a model whose linears are too small to convert (cut 1.0) does not calibrate
 COMPENSATE_FROM_RATIO = 3.0
 # The options whose defaults depend on others (the ratio, the table, the model's cut): chosen
 # again when those change (``replace``, ``for_model``).
 DEPENDENT_DEFAULTS = ("d", "compensate", "reconstruct_steps")
-# Reconstruction's steps a block where it is on by default, as many as RECONSTRUCTION_STEP_BUDGET
-# allows. all-MiniLM-L6-v2 calibrated on english+python-stdlib (the default), share of dense
-# recall@1 kept / mean cosine on held-out english / code / man / Debian pairs: --ratio 4 (205
-# steps) 0.863 / 0.952 / 0.931 / 0.881, cosine 0.810 / 0.874 / 0.798 / 0.800, with 100 steps 0.867 /
-# 0.952 / 0.935 / 0.854, cosine 0.793 / 0.860 / 0.780 / 0.784; --ratio 8 (300 steps) 0.811 / 0.810 /
-# 0.866 / 0.854, cosine 0.704 / 0.790 / 0.678 / 0.686, with 100 steps 0.755 / 0.714 / 0.874 / 0.836,
-# cosine 0.689 / 0.767 / 0.653 / 0.661. Calibrated on english alone, more steps cost Debian 0.03 to
-# 0.045 of recall@1 at --ratio 4 on three seeds (BENCHMARKS.md, Calibration text and reconstruction
-# steps). 20 to 30 s more for MiniLM on 2 cores (110 s at --ratio 4, 101 s at --ratio 8).
+# Reconstruction's Adam steps a block where it is on by default; more saturate (600 and 900 moved
+# cosine by 0.01 at most). BENCHMARKS.md#calibration-text-and-reconstruction-steps-session-39
 RECONSTRUCT_STEPS = 300
-# Reconstruction's cost grows with the compressed block: 100 steps took 11 s a block of a
-# bert-base-shaped encoder at --ratio 4 (2.1 M parameters compressed) and 21 s at --ratio 2 (4.4 M),
-# where the whole conversion then took 412 s on two cores (158 s without reconstruction; 317 s with
-# 50 steps). By default a block gets at most this many steps x compressed parameters (100 steps of
-# 1.6 M), never under MIN_RECONSTRUCT_STEPS: a bert-base 75 at --ratio 4 and 36 at --ratio 2 (within
-# the five minutes); MiniLM's blocks 147 at --ratio 3, 205 at --ratio 4 and 300 from --ratio 6.
+# Its cost grows with the compressed block, so a block gets at most 100 steps of a 1.6 M-parameter
+# block's work (never under MIN_RECONSTRUCT_STEPS): a bert-base-shaped conversion stays near five
+# minutes on two cores. BENCHMARKS.md#calibration-text-and-reconstruction-steps-session-39
 RECONSTRUCTION_STEP_BUDGET = 100 * 1_600_000
 MIN_RECONSTRUCT_STEPS = 25
-# Calibration sequences where compensation is on and none were asked for: more text keeps more of
-# every held-out domain at both ratios measured. all-MiniLM-L6-v2 (reconstruction on), mean cosine
-# of held-out english / code / man / Debian embeddings to the dense ones: --ratio 8 with 128
-# sequences 0.534 / 0.437 / 0.407 / 0.421, 256 0.559 / 0.472 / 0.414 / 0.426, 512 0.588 / 0.500 /
-# 0.441 / 0.466; --ratio 4 with 128 0.706 / 0.611 / 0.593 / 0.607, 512 0.750 / 0.670 / 0.644 /
-# 0.660 (BENCHMARKS.md, Conversion where the linears carry the cut). The calibration's passes cost
-# tokens x parameters (a bert-base-shaped encoder converts in 305 s on two cores with 160
-# sequences and 650 s with 512, about 1 s a sequence), and its two streams' activations are what a
-# calibrated streaming conversion holds beyond one block: a model gets the sequences (of
-# calibration_seq_len tokens) this many parameter-tokens buy, between DEFAULT_SEQUENCES and
-# MAX_CALIBRATION_SEQUENCES: MiniLM (22.7 M parameters) 512, a bert-base-shaped encoder (110 M)
-# 144 (its conversion in 293 s with 100 reconstruction steps, 270 s with 75: within 5 minutes), a
-# 1.1 B Llama 128 (its calibrated streaming peak is 0.92x its checkpoint with 128: BENCHMARKS.md,
-# Streaming conversion).
+# Calibration sequences where compensation is on and none were asked for: more text keeps more up
+# to 512 and flattens past it, and its passes cost tokens x parameters, so a model gets what this
+# many parameter-tokens buy (a bert-base 144, MiniLM 512, a 1.1 B Llama 128).
+# BENCHMARKS.md#more-calibration-text-and-the-codebook-centres-tuned-session-42
 CALIBRATION_PARAM_TOKENS = 144 * 128 * 110_000_000
 MAX_CALIBRATION_SEQUENCES = 512
 # Reconstruction holds out the last calibration batch and trains on the others.
@@ -127,18 +74,18 @@ def default_compensation(ratio: float | None, cut: float | None, *, codebook: bo
 
 @dataclass
 class ConvertOptions:
+    """Every conversion option, validated on construction (what recipes hold; ``comera convert``'s flags).
+
+    Fields left ``None`` take defaults that depend on the others (``for_model`` chooses them once the model is
+    known). Out-of-range values raise ``ConfigError`` saying what was expected and what came in."""
     # The whole model (dense parameters included) shrinks at least this many times.
     ratio: float | None = 4.0
     # A fixed maximum rank for every converted layer instead of a ratio (CoMERA uses 30).
     rank: int | None = None
     # tt (in modes, then out modes) for linears, as CoMERA. Embeddings are tt too, where CoMERA
-    # uses ttm ("ttm" here): a head tied to a tt embedding runs through its two halves (tokens x
-    # rank x vocab) instead of the whole table: bert-base's rank-30 MLM step ran 1.4x (batch 8)
-    # to 1.9x (batch 1) faster, its --ratio 4 batch-1 step went from 0.59x to 1.15x dense
-    # (BENCHMARKS.md). Per parameter the tt table is also the closer one (MiniLM's word
-    # embedding: 0.885 relative error at 0.73M parameters, ttm 0.923 at 1.1M), and with
-    # calibration its middle bond takes token-frequency weights exactly (MiniLM --ratio 4:
-    # embedding cosine 0.32 against 0.12 with ttm).
+    # uses ttm: a head tied to a tt table runs through its two halves instead of the whole table
+    # (a faster step), and per parameter the tt table is the closer one.
+    # BENCHMARKS.md#train-step-a-full-step-of-a-bert-base-shaped-bertformaskedlm-comera-bench-train-step
     layout: str = "tt"
     embedding_layout: str = "tt"
     # Modes per side: CoMERA splits 768 and 3072 into 3 modes each. 1 is a plain low-rank
@@ -177,59 +124,30 @@ class ConvertOptions:
     # (per layer, from the calibration data's error estimates; conversion/experimental/sensitivity.py). Both are experimental: neither
     # beat the shared rank out of domain after training (strategies.py).
     allocation: str = "uniform"
-    # The ranks --ratio chooses are multiples of this (uniform allocation: the shared rank rounded
-    # down; measured: each scaled rank to the nearest). 8 suits GPU tensor cores in bf16: on an
-    # H100 a 4096x11008 layer at rank 160 ran its fwd+bwd 2.5x faster than at rank 163 (graphed;
-    # float32 no different). 1 spends the whole budget, as the quality figures in BENCHMARKS.md
-    # were measured.
+    # The ranks --ratio chooses are multiples of this. 8 suits GPU tensor cores in bf16 (a rank
+    # of 160 ran 2.5x faster than 163 on an H100); 1 spends the whole budget. BENCHMARKS.md#layer-fwdbwd-4096-tokens
     rank_multiple: int = 1
-    # The input (word) embedding's ranks are this many times the shared rank (uniform allocation).
-    # Measured on all-MiniLM-L6-v2, calibrated on english, on held-out text of three domains the
-    # calibration never read (encyclopedic prose, package summaries, man pages): 1.5 raised the
-    # mean cosine by 0.03 to 0.04 at --ratio 2 and 4; 2.5 and 4 starve the linears at --ratio 2
-    # (BENCHMARKS.md, Quality). The embedding carries every token's meaning into mean pooling.
+    # The input (word) embedding's ranks are this many times the shared rank (uniform allocation): it
+    # carries every token's meaning into mean pooling; 2.5 and more starve the linears.
+    # BENCHMARKS.md#quality-across-domains-out-of-domain
     embedding_rank_scale: float = 1.5
     # The layers of the last repeated block (a BERT's last encoder layer, a decoder's last layer)
     # get this many times the shared rank (uniform allocation): their error reaches the output with
-    # no later layer to compensate it, and mean pooling reads it directly. all-MiniLM-L6-v2, share
-    # of dense recall@1 kept / mean cosine on held-out english / code / man / Debian pairs right
-    # after conversion (BENCHMARKS.md, The last block's rank): --ratio 4 at 1 0.843 / 0.619 / 0.889
-    # / 0.810, cosine 0.750 / 0.670 / 0.644 / 0.660; at 1.5 0.884 / 0.714 / 0.912 / 0.840, cosine
-    # 0.780 / 0.691 / 0.676 / 0.696; at 2 0.900 / 0.619 / 0.924 / 0.821, cosine 0.815 / 0.724 / 0.734
-    # / 0.747 (3: 0.811 / 0.721 / 0.729 / 0.743 cosine). --ratio 8 at 1 0.671 / 0.571 / 0.763 / 0.701,
-    # cosine 0.588 / 0.500 / 0.441 / 0.466; at 2 0.707 / 0.524 / 0.809 / 0.772, cosine 0.642 / 0.540 /
-    # 0.496 / 0.522 (3 adds 0.006 to 0.023 of cosine, no recall@1). --ratio 2 at 1.5: cosine +0.005
-    # to +0.009. More rank to the last two blocks, or to the first and the last, kept less. 1: one
-    # shared rank everywhere. Measured on MiniLM only (its last block holds a sixth of the linears).
-    # A fixed --rank and the experimental allocations do not read it.
+    # no later layer to compensate it. 1: one shared rank. A fixed --rank and the experimental
+    # allocations do not read it. BENCHMARKS.md#the-last-blocks-rank---last-block-rank-scale-session-37
     last_block_rank_scale: float = 2.0
     # The last repeated block's attention output projection (BERT's attention.output.dense, GPT-2's
-    # attn.c_proj, Llama's self_attn.o_proj) stays dense (uniform allocation, either scale): in
-    # all-MiniLM-L6-v2 at --ratio 8, putting the dense weight back into one layer of the last block,
-    # or into one block's attention output, at a time moved english recall@1 by at most 0.02 save
-    # this layer, which alone lifted it from 0.707 to 0.783 (BENCHMARKS.md, The last block's
-    # attention output). Converted with it kept dense, share of dense recall@1 kept / mean cosine on
-    # held-out english / code / man / Debian: --ratio 8 0.771 / 0.524 / 0.828 / 0.828, cosine 0.724 /
-    # 0.612 / 0.598 / 0.630 (0.707 / 0.524 / 0.809 / 0.772, cosine 0.642 / 0.540 / 0.496 / 0.522
-    # without); --ratio 6 0.823 / 0.571 / 0.912 / 0.810, cosine 0.769 / 0.660 / 0.661 / 0.682 (0.775 /
-    # 0.571 / 0.844 / 0.739, cosine 0.699 / 0.595 / 0.567 / 0.599); at --ratio 4 and below the doubled
-    # rank already leaves it dense. It costs one square matrix (0.5 % of a bert-base, 0.7 % of
-    # MiniLM). Measured on MiniLM only.
+    # attn.c_proj, Llama's self_attn.o_proj) stays dense: on MiniLM it is the one layer whose
+    # compression costs the embedding most, for one square matrix (0.5 % of a bert-base).
+    # BENCHMARKS.md#the-last-blocks-attention-output---keep-last-attention-output-session-38
     keep_last_attention_output: bool = True
-    # The input (word) embedding as "tt" (as the other embeddings, by embedding_layout) or as a
-    # "codebook": product-quantized (codebook/), each row one byte per slice of codebook_width
-    # columns, naming one of 256 shared centres per slice. A TT over token ids keeps the rows of the
-    # few most frequent tokens; a codebook keeps every row coarsely, and what it saves goes to the
-    # linears. all-MiniLM-L6-v2, share of dense recall@1 kept on held-out english / code / man /
-    # Debian pairs: --ratio 4 TT table 0.72 / 0.52 / 0.73 / 0.74, codebook 0.84 / 0.57 / 0.84 / 0.80;
-    # --ratio 2 TT table 0.84 / 0.71 / 0.86 / 0.84, codebook 0.94 / 0.86 / 0.96 / 0.97 (BENCHMARKS.md,
-    # Conversion routes side by side). None: codebook with a --ratio (uniform allocation), tt with a
-    # fixed --rank (CoMERA's layout). A head tied to the table (GPT-2's lm_head, BERT-MLM's decoder)
-    # multiplies by the same codebook rows.
+    # The input (word) embedding as "tt" (as the other embeddings) or as a "codebook": product-
+    # quantized (codebook/), each row one byte per slice of codebook_width columns. A TT over token
+    # ids keeps the rows of the most frequent tokens; a codebook keeps every row coarsely, and what it
+    # saves goes to the linears. None: codebook with a --ratio, tt with a fixed --rank (CoMERA's).
+    # BENCHMARKS.md#conversion-routes-side-by-side-all-minilm-l6-v2-calibrated-on-english
     word_embedding: str | None = None
-    # Columns per codebook slice. MiniLM at --ratio 4, recall@1 kept on english / code / man / Debian
-    # (an early study that gave the linears less than the table saved): 0.80 / 0.52 / 0.79 / 0.76
-    # at 4, 0.77 / 0.52 / 0.79 / 0.75 at 3, 0.76 / 0.62 / 0.76 / 0.75 at 8.
+    # Columns per codebook slice: 4 by an early study on MiniLM; 8 halves the codes' bytes.
     codebook_width: int = 4
     # The dtype the checkpoint stores its tensors in (float32, bfloat16, float16); None keeps the
     # source's. bfloat16 halves a float32 checkpoint. int8 and int4 store every factor and dense
@@ -402,9 +320,11 @@ class ConvertOptions:
 
     @classmethod
     def from_dict(cls, data: dict, origin: str = "options") -> "ConvertOptions":
+        """Options from a mapping (a recipe's), listing the valid keys on a typo."""
         return from_mapping(cls, data, origin)
 
     def to_dict(self) -> dict:
+        """The options as a plain mapping (what a recipe and the report hold)."""
         return asdict(self)
 
 

@@ -36,16 +36,12 @@ from .sequential import BlockInputs, SequentialCalibration, StopForward, capture
 from .streaming import load_module
 
 # G is damped by this share of its mean diagonal before M* is solved for and whitened by: the
-# least-squares map is otherwise steered by directions the calibration inputs barely excite.
-# all-MiniLM-L6-v2 at --ratio 4, share of dense recall@1 kept on held-out english / code / man /
-# Debian pairs: 1e-3 0.691 / 0.429 / 0.697 / 0.710, 1e-2 0.719 / 0.524 / 0.733 / 0.738,
-# 5e-2 0.671 / 0.571 / 0.733 / 0.732.
+# least-squares map is otherwise steered by directions the calibration inputs barely excite (1e-2
+# kept the most on MiniLM of 1e-3, 1e-2 and 5e-2).
 COMPENSATION_RIDGE = 1e-2
-# The map M* has as many unknowns per output as the layer has inputs, so it overfits calibration text
-# that gives too few input rows: all-MiniLM-L6-v2 at --ratio 4 with 32 sequences of 128 tokens
-# (2.7 rows per input of the 1536-wide FFN output layer) kept 0.56 of dense recall@1 compensating
-# every layer against 0.59 not compensating; with 128 sequences (10.7) 0.69 against 0.49 (both at
-# ridge 1e-3). A layer with fewer rows than this many per input is fit to the dense inputs instead.
+# The map M* has as many unknowns per output as the layer has inputs, so it overfits calibration
+# text that gives too few input rows: a layer with fewer rows than this per input is fit to the dense
+# inputs instead. BENCHMARKS.md#conversion-routes-side-by-side-all-minilm-l6-v2-calibrated-on-english
 MIN_ROWS_PER_INPUT = 8
 
 

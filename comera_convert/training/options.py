@@ -16,18 +16,15 @@ from ..errors import ConfigError, expected
 from ..option_files import from_mapping
 
 # Where the conversion cut the factorized layers at least this much (its report's layers_cut),
-# distillation matches each state's direction by default: measured better where they are cut 3.8x
-# (--ratio 6) and 5.6x (--ratio 8), worse at 2.3x (--ratio 4); between those unmeasured, and a
-# 768-wide encoder's --ratio 4 cuts them 3.4x (BENCHMARKS.md, Distilling each state's direction).
+# distillation matches each state's direction by default: better on MiniLM at --ratio 6 and 8, worse
+# at --ratio 4. BENCHMARKS.md#distilling-each-states-direction---distill-states-session-36
 COSINE_STATES_FROM_CUT = 3.0
 # The options left unset (None) take these by objective. Pre-training (mlm, clm) keeps CoMERA's
 # rates. Distillation starts far from its optimum and matches an eval-mode teacher, so it trains the
-# cores faster, without dropout, and ends on a decayed rate (recipes/train-minilm-distill.yaml, where
-# each was measured); an encoder also sees its documents' first blocks, as it embeds texts. The
-# cores' 1e-3 ends level with 5e-4 or above it wherever MiniLM's linears were cut (2.3x, 3.8x, 5.6x).
-# Without a --target-ratio, distillation keeps the size (no late stage, no size term, as its recipe):
-# the min-max late stage would spend a third of the run shrinking gates instead of matching the
-# teacher, and the size term alone moves every gate by AdamW's step (1e-3) a step.
+# cores faster, without dropout, ends on a decayed rate and (an encoder) sees its documents' first
+# blocks; without a --target-ratio it keeps the size (no late stage, no size term), where CoMERA's
+# late stage would spend a third of the run shrinking gates instead of matching the teacher. Each
+# was measured in recipes/train-minilm-distill.yaml: BENCHMARKS.md#recovery-in-cpu-minutes-comera-train---minutes
 PRETRAINING_DEFAULTS = dict(lr_cores=1e-4, lr_rest=5e-5, warmup_steps=0, lr_scheduler_type="constant",
                             document_starts=0.0, beta=0.01)
 DISTILL_DEFAULTS = dict(lr_cores=1e-3, lr_rest=1e-4, dropout=0.0, lr_scheduler_type="cosine",
@@ -50,6 +47,10 @@ def _check_share(name: str, value) -> None:
 
 @dataclass
 class TrainOptions:
+    """Every option of ``comera train``, validated on construction (what training recipes hold).
+
+    Defaults are CoMERA's for pre-training (mlm, clm); options left ``None`` take the distillation recipe's
+    measured settings when distilling. Out-of-range values raise ``ConfigError``."""
     objective: str = "auto"
     # Natural English of several genres (the built-in corpus); python-stdlib for code models.
     data: str = "english"
@@ -73,8 +74,7 @@ class TrainOptions:
     tau: float = 1e-2
     # Prune in whole multiples: a bond closes entries only as many at a time as keep its open
     # count a multiple of this (the weakest of those below tau first). 8 keeps bf16 GEMMs on
-    # tensor-core shapes after rank adaptation, as `comera convert --rank-multiple 8` does at
-    # conversion (one H100 layer: rank 160 2.5x faster than 163). 1 prunes entry by entry (CoMERA).
+    # tensor-core shapes, as `comera convert --rank-multiple 8` does. 1 prunes entry by entry (CoMERA).
     rank_multiple: int = 1
     # Steps of the early stage; None = two thirds of `steps` (CoMERA: 20 of 30 epochs), or all of
     # them to distill without a target ratio.
@@ -229,7 +229,9 @@ class TrainOptions:
 
     @classmethod
     def from_dict(cls, data: dict, origin: str = "options") -> "TrainOptions":
+        """Options from a mapping (a recipe's), listing the valid keys on a typo."""
         return from_mapping(cls, data, origin)
 
     def to_dict(self) -> dict:
+        """The options as a plain mapping (what the report and history record)."""
         return asdict(self)
