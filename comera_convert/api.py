@@ -90,6 +90,8 @@ def with_overrides(options: ConvertOptions | None, overrides: dict) -> ConvertOp
 
 @dataclass
 class ConversionResult:
+    """What ``convert_checkpoint`` wrote: the folder, its report, the seconds of each stage, its bytes on disk and
+    the notes the user should read (a default that could not apply)."""
     out: Path
     report: ConversionReport
     timings: dict[str, float]

@@ -41,6 +41,9 @@ class ModuleRow:
 
 @dataclass
 class ConversionReport:
+    """What a conversion did: parameters before and after, each converted module's layout and ranks, what stayed
+    dense and why, and the conversion's extra facts (calibration, allocation, errors before and after
+    reconstruction)."""
     model_class: str
     params_before: int
     params_after: int
@@ -58,21 +61,25 @@ class ConversionReport:
         return self.params_before / max(self.params_after, 1)
 
     def to_dict(self) -> dict:
+        """The report as plain data (``comera_report.json``)."""
         data = asdict(self)
         data["ratio"] = self.ratio
         return data
 
     def to_json(self) -> str:
+        """The report as JSON text."""
         return json.dumps(self.to_dict(), indent=2)
 
     @classmethod
     def from_dict(cls, data: dict) -> "ConversionReport":
+        """A report read back from ``to_dict``'s data."""
         data = dict(data)
         data.pop("ratio", None)
         data["modules"] = [ModuleRow(**row) for row in data.get("modules", [])]
         return cls(**data)
 
     def summary(self) -> str:
+        """A few lines for a person: the ratio reached, parameters before and after, modules converted."""
         return (f"{self.model_class}: {self.params_before:,} -> {self.params_after:,} parameters "
                 f"({self.ratio:.2f}x smaller), {len(self.modules)} modules converted")
 

@@ -111,10 +111,12 @@ class CodebookEmbedding(InferenceCache):
         return self.codebooks.numel() + math.ceil(self.codes.numel() / self.codebooks.element_size())
 
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
+        """The rows of ``indices``: each slice's code looked up in its codebook."""
         check_token_ids(indices, self.num_embeddings)
         rows = dense_from_codes(self.centres(), self.codes[indices])
         return padding_rows_frozen(rows, indices, self.padding_idx, self.training)
 
     def extra_repr(self) -> str:
+        """Shapes, layout and ranks, for ``print(model)``."""
         return (f"{embedding_repr(self.num_embeddings, self.embedding_dim, self.padding_idx)}, "
                 f"subspaces={self._spec.subspaces}, codewords={self._spec.codewords}")

@@ -25,6 +25,8 @@ TIEABLE = (TTEmbedding, CodebookEmbedding)  # the compressed embeddings a head c
 
 
 class TiedTTHead(nn.Module):
+    """An LM head tied to a compressed input embedding: logits through the embedding's own cores (or codebook
+    rows), never a second copy of the table."""
     def __init__(self, embedding: TTEmbedding | CodebookEmbedding, bias: nn.Parameter | None = None):
         super().__init__()
         if not isinstance(embedding, TIEABLE):
@@ -36,6 +38,7 @@ class TiedTTHead(nn.Module):
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits over the vocabulary for hidden states ``x``."""
         if isinstance(self.embedding, CodebookEmbedding):
             return torch.nn.functional.linear(x, self.embedding.table(), self.bias)
         spec = self.embedding.spec
@@ -62,5 +65,6 @@ class TiedTTHead(nn.Module):
         return self.dense_weight()
 
     def extra_repr(self) -> str:
+        """Shapes, layout and ranks, for ``print(model)``."""
         tied_to = type(self.embedding).__name__
         return f"in_features={self.in_features}, out_features={self.out_features}, tied to {tied_to}"

@@ -47,6 +47,7 @@ class TTEmbedding(TTModule):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        """Random cores, scaled so that the product has the variance of the dense layer's initialization."""
         self._random_init(target_std=1.0)  # nn.Embedding draws its table from N(0, 1)
 
     @classmethod
@@ -97,6 +98,7 @@ class TTEmbedding(TTModule):
         return self.cached("table", self.dense_matrix)
 
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
+        """The rows of ``indices``, contracted from the cores (only the rows asked for)."""
         # On CUDA (and under torch.compile) no host syncs: a device-side range check, and no
         # deduplication of repeated ids (its output size depends on the data).
         sync_free = check_token_ids(indices, self.num_embeddings)
@@ -110,6 +112,7 @@ class TTEmbedding(TTModule):
         return padding_rows_frozen(rows, indices, self.padding_idx, self.training)
 
     def extra_repr(self) -> str:
+        """Shapes, layout and ranks, for ``print(model)``."""
         order = ", reordered" if self.row_of_token is not None else ""
         return f"{embedding_repr(self.num_embeddings, self.embedding_dim, self.padding_idx)}, {self._tt_repr()}{order}"
 

@@ -51,6 +51,7 @@ class TTLinear(TTModule):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        """Random cores, scaled so that the product has the variance of the dense layer's initialization."""
         # The variance nn.Linear's default (Kaiming uniform, a = sqrt(5)) gives: 1 / (3 fan_in).
         self._random_init(target_std=math.sqrt(1.0 / (3 * self.in_features)))
         if self.bias is not None:
@@ -88,6 +89,7 @@ class TTLinear(TTModule):
         return self.dense_weight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T + b`` through the cores, without building ``W``."""
         if x.shape[-1] != self.in_features:
             raise ValueError(expected(f"input with last dimension {self.in_features}", tuple(x.shape)))
         spec = self.spec
@@ -99,5 +101,6 @@ class TTLinear(TTModule):
         return y + self.bias.to(y.dtype) if self.bias is not None else y  # autocast's dtype, as F.linear
 
     def extra_repr(self) -> str:
+        """Shapes, layout and ranks, for ``print(model)``."""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, {self._tt_repr()}")
