@@ -295,7 +295,8 @@ def record_in_report(path: str, metrics: dict) -> None:
     """Add the metrics to the checkpoint's comera_report.json and its model card (atomically)."""
     from .conversion.report import REPORT_FILE, read_report
     from .hf.model_card import source_card, write_model_card
-    from .hf.saving import weight_bytes, write_text_atomic
+    from .hf.files import write_text_atomic
+    from .hf.saving import weight_bytes
 
     report = read_report(path)
     if report is None:

@@ -6,6 +6,8 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
 import comera_convert
 
 ROOT = Path(comera_convert.__file__).parent
@@ -16,6 +18,7 @@ LAYERS = [
     {"layers"},
     {"conversion"},
     {"hf", "models"},
+    {"pipeline"},
     {"training", "retrieval", "peers"},
     {"evaluation"},
     {"api", "checkpoint_info", "recipes", "frontier"},
@@ -98,6 +101,63 @@ def test_nothing_below_hf_imports_transformers():
     _, users = part_graph()
     offenders = {part: files for part, files in users.items() if part in WITHOUT_TRANSFORMERS}
     assert not offenders, f"transformers imported below hf/: {offenders}"
+
+
+def module_graph(part: str, root: Path = ROOT) -> dict[str, set[str]]:
+    """module -> the modules of the same part it imports (top-level or inside functions)."""
+    graph = {}
+    for path in (root / part).rglob("*.py"):
+        name = module_name(path, root)
+        graph[name] = {t for t in imports(path, root)
+                       if t != name and t.startswith(f"comera_convert.{part}") and is_module(t, root)}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The modules that import each other, directly or round a circle (strongly connected components)."""
+    order, low, stack, cycles = {}, {}, [], []
+
+    def visit(module):
+        order[module] = low[module] = len(order)
+        stack.append(module)
+        for target in graph.get(module, ()):
+            if target not in order:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], order[target])
+        if low[module] == order[module]:
+            component = []
+            while True:
+                component.append(stack.pop())
+                if component[-1] == module:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in list(graph):
+        if module not in order:
+            visit(module)
+    return cycles
+
+
+@pytest.mark.parametrize("part", ["hf", "pipeline"])
+def test_no_import_circle_inside_the_conversion_rooms(part):
+    """The transformers integration and the conversion pipeline each import in one direction: no two
+    of their modules import each other, directly or round a circle."""
+    assert not import_cycles(module_graph(part)), import_cycles(module_graph(part))
+
+
+def test_the_pipeline_runs_its_stages_from_one_place():
+    """Only pipeline/run.py runs the stages; no stage imports it back."""
+    graph = module_graph("pipeline")
+    callers = sorted(m for m, targets in graph.items() if "comera_convert.pipeline.run" in targets)
+    assert callers == [], callers
+
+
+def test_the_cycle_checker_finds_a_circle():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
 
 
 def test_the_checker_sees_an_upward_import(tmp_path):

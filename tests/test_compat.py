@@ -34,7 +34,7 @@ def test_1_tied_weight_keys_of_converted_heads_are_dropped():
 
 
 def test_1_dense_tied_heads_are_tied_again_after_streaming_loads_their_embedding(tmp_path):
-    from comera_convert.hf import streaming
+    from comera_convert.pipeline import streaming
 
     build("gpt2-clm").save_pretrained(tmp_path / "dense")
     loader = streaming.Streamed(str(tmp_path / "dense"))
@@ -136,7 +136,7 @@ def test_9_names_are_known_on_the_meta_device_with_a_reordered_embedding(tmp_pat
     from safetensors import safe_open
 
     from comera_convert.hf.compat import saved_tensor_names
-    from comera_convert.hf.spool import to_meta
+    from comera_convert.pipeline.spool import to_meta
     from comera_convert.layers import TTEmbedding
 
     model = build("bert-mlm")

@@ -11,8 +11,8 @@ from comera_convert.api import convert_checkpoint
 from comera_convert.conversion import ConvertOptions
 from comera_convert.conversion.storage import integer_axes, integer_format, round_in_place
 from comera_convert.errors import ConfigError
-from comera_convert.hf.reconstruction import held_out_distance, reconstruct_block
-from comera_convert.hf.sequential import BlockInputs, hidden_of
+from comera_convert.pipeline.reconstruction import held_out_distance, reconstruct_block
+from comera_convert.pipeline.sequential import BlockInputs, hidden_of
 from comera_convert.integer import dequantize, quantize
 
 from .test_streaming import _with_tokenizer

@@ -14,7 +14,7 @@ import comera_convert
 from comera_convert.api import convert_checkpoint
 from comera_convert.conversion import ConvertOptions
 from comera_convert.errors import ModelLoadError
-from comera_convert.hf import streaming
+from comera_convert.pipeline import streaming
 from comera_convert.layers import CodebookEmbedding, TTModule
 
 from . import tiny_models
@@ -92,7 +92,7 @@ def test_the_spooled_checkpoint_is_what_save_pretrained_writes(case, tied, shard
 
 
 def test_a_failed_streamed_conversion_leaves_no_spool_and_no_output(tmp_path, monkeypatch):
-    from comera_convert.hf import spool
+    from comera_convert.pipeline import spool
 
     build("llama-clm").save_pretrained(tmp_path / "dense")
 
@@ -194,7 +194,7 @@ def test_a_compensating_streamed_conversion_equals_compensating_on_the_whole_mod
     same checkpoint as running the whole dense and the whole half-converted model up to each layer."""
     from comera_convert.conversion.calibration import add_gram, plan_calibration
     from comera_convert.conversion.targets import find_blocks, find_candidates
-    from comera_convert.hf.compensating import COMPENSATION_RIDGE
+    from comera_convert.pipeline.compensating import COMPENSATION_RIDGE
 
     dense, tokenizer, cls = _with_tokenizer(tmp_path, case, tie)
     # A fixed rank: a ratio would compress only the tiny models' vocabulary-sized embedding.
@@ -382,7 +382,7 @@ def test_the_device_option_runs_the_decompositions_there_and_refuses_what_is_not
 
 
 def test_the_layers_left_dense_are_read_and_written_out_one_at_a_time(tmp_path, monkeypatch):
-    from comera_convert.hf import spool
+    from comera_convert.pipeline import spool
 
     build("llama-clm").save_pretrained(tmp_path / "dense")
     real = spool.WeightSpool.spill
@@ -423,7 +423,7 @@ def test_a_calibrated_model_without_a_stack_of_blocks_is_loaded_whole_with_its_m
 
 def test_the_spool_keeps_every_tensor_bit_for_bit_and_refuses_a_dtype_safetensors_lacks(tmp_path):
     from comera_convert.errors import ConfigError
-    from comera_convert.hf.spool import WeightSpool
+    from comera_convert.pipeline.spool import WeightSpool
 
     module = torch.nn.Module()
     module.weight = torch.nn.Parameter(torch.randn(3, 5).to(torch.bfloat16))

@@ -43,7 +43,7 @@ def bench(cases, quick, device, dtype, repeats, json_path, variants, model_name)
     from .. import bench as benchmarks
     from ..bench.models import chosen_variants
     from ..errors import ConfigError
-    from ..hf.saving import write_text_atomic
+    from ..hf.files import write_text_atomic
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -224,7 +224,7 @@ def evaluate(model, reference, data, pair_files, texts, seq_len, baselines, json
     how much of its retrieval it keeps (recall@1 of each passage's rest by its first sentence)."""
     from ..evaluation import evaluate as run_eval
     from ..evaluation import record_in_report
-    from ..hf.saving import write_text_atomic
+    from ..hf.files import write_text_atomic
     from ..models import resolve
     from .render import eval_table, peers_table
 
@@ -262,7 +262,7 @@ def evaluate(model, reference, data, pair_files, texts, seq_len, baselines, json
 def frontier(models, pair_files, texts, no_peers, plot, json_path):
     """Compressed MODELS of one source and its peers by bytes: the share of dense retrieval each keeps."""
     from ..frontier import plot_frontier, size_frontier
-    from ..hf.saving import write_text_atomic
+    from ..hf.files import write_text_atomic
     from .render import frontier_table
 
     with progress_display() as progress:

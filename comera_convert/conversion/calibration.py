@@ -57,7 +57,7 @@ class Calibration:
     sums: dict[str, torch.Tensor] = field(default_factory=dict)  # linear: (in,) sum of the input rows
     rows: dict[str, int] = field(default_factory=dict)  # linear: how many input rows were summed
     counts: dict[str, torch.Tensor] = field(default_factory=dict)  # embedding: (rows,) lookups
-    # Error-compensating calibration (``hf/compensating.py``): the grams and sums above then describe
+    # Error-compensating calibration (``pipeline/compensating.py``): the grams and sums above then describe
     # the inputs X^ the already compressed layers before a linear produce; ``cross`` is X^T X against
     # the dense model's inputs X, ``dense_sums`` the sum of X's rows.
     cross: dict[str, torch.Tensor] = field(default_factory=dict)  # linear: (in, in) X^T X

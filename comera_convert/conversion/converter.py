@@ -46,9 +46,9 @@ def convert_modules(model: nn.Module, options: ConvertOptions, calibration: Cali
         embeddings) instead of its weight error.
     progress: called as progress(module name, index, count) before each module is converted.
     load: called with a module's name just before it is decomposed, for a model whose weights are
-        not in memory yet (streaming conversion: ``hf/streaming.py``).
+        not in memory yet (streaming conversion: ``pipeline/streaming.py``).
     release: called with a module's name once its TT module is in place (streaming conversion
-        writes it out and frees it: ``hf/spool.py``).
+        writes it out and frees it: ``pipeline/spool.py``).
 
     Pure torch: what makes the result a transformers model that saves and loads compressed is
     ``comera_convert.convert`` (the public verb), which calls this and then the hf layer.

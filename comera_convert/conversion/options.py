@@ -107,11 +107,11 @@ class ConvertOptions:
     calibration_seq_len: int = 128
     # Calibrating block by block (`comera convert` of a safetensors checkpoint), fit each linear
     # layer to the inputs the already compressed layers before it produce, so that errors do not
-    # compound (hf/compensating.py). False: every layer fit to the dense model's inputs. None
+    # compound (pipeline/compensating.py). False: every layer fit to the dense model's inputs. None
     # (default_compensation): above COMPENSATE_ABOVE_CUT with a codebook table, from
     # COMPENSATE_FROM_RATIO with a TT table, off below and for a fixed --rank.
     compensate: bool | None = None
-    # Block-wise reconstruction (hf/reconstruction.py): after the closed-form fit, each block's
+    # Block-wise reconstruction (pipeline/reconstruction.py): after the closed-form fit, each block's
     # factors, biases and norms are tuned for this many Adam steps (8 sequences each, at
     # reconstruct_lr, decayed to zero) to reproduce the dense block's outputs from the inputs the
     # compressed blocks before it give; kept only where it lowers the distance on a held-out

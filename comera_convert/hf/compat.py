@@ -92,29 +92,28 @@ def retie_dense_heads(model: nn.Module) -> set[str]:
 
 
 # 3, 5 --------------------------------------------------------------------------------------------
-def mark_compressed(model: nn.Module, quantization_config) -> None:
+def mark_compressed(model: nn.Module, quantization_config, hf_quantizer, save) -> None:
     """Make a converted model look and save like a loaded compressed model: its config records the
-    compression (following the live modules; touch 3) and ``save_pretrained`` writes compressed
-    checkpoints (touch 5)."""
-    from .quantizer import ComeraQuantizer
-
+    compression (following the live modules; touch 3), ``hf_quantizer`` stands as the one that
+    loaded it, and ``save_pretrained`` calls ``save`` (touch 5). quantizer.mark_converted passes
+    the "comera" quantizer and the compressed checkpoint writer."""
     quantization_config.attach(model)
-    install_save_hook(model)
+    install_save_hook(model, save)
     config = getattr(model, "config", None)
     if config is None:
         return  # a plain nn.Module: nothing more to record
     config.quantization_config = quantization_config
-    model.hf_quantizer = ComeraQuantizer(quantization_config, pre_quantized=True)
+    model.hf_quantizer = hf_quantizer
     model.is_quantized = True
     model.quantization_method = quantization_config.quant_method
 
 
-def install_save_hook(model: nn.Module) -> None:
-    """Route this model's ``save_pretrained`` through ``save_compressed`` (the instance only; touch 5)."""
-    from .saving import save_compressed
+def install_save_hook(model: nn.Module, save) -> None:
+    """Route this model's ``save_pretrained`` through ``save(model, directory, overwrite=True, ...)``
+    (the instance only; touch 5)."""
 
     def save_pretrained(self, save_directory, **kwargs):
-        return save_compressed(self, save_directory, overwrite=True, **kwargs)
+        return save(self, save_directory, overwrite=True, **kwargs)
 
     model.save_pretrained = types.MethodType(save_pretrained, model)
 

@@ -24,7 +24,7 @@ from ..conversion.storage import integer_axes
 from ..errors import ModelLoadError
 from ..integer import IntegerFormat, dequantize, quantize
 from .checkpoint_check import aliases, read_header
-from .streaming import SAFETENSORS_DTYPES
+from .files import SAFETENSORS_DTYPES, SHARD_PATTERN, write_index, write_model_files
 
 SCALE_SUFFIX = "_scale"
 
@@ -51,7 +51,6 @@ def write_integer_checkpoint(model: nn.Module, directory: Path, fmt: IntegerForm
     from safetensors.torch import save_file
 
     from .compat import saved_tensor_names
-    from .spool import SHARD_PATTERN, write_index, write_model_files
 
     state, axes = model.state_dict(), integer_axes(model)
     tensors = {}

@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from ..conversion.report import ConversionReport
-from .saving import write_text_atomic
+from .files import write_text_atomic
 
 CARD_FILE = "README.md"
 SOURCE_MARKER = "<!-- comera_convert: the source model's card follows -->"

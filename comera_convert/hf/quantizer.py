@@ -14,6 +14,7 @@ from transformers.quantizers import HfQuantizer
 from ..conversion.records import build_from_records, tie_heads_to_converted_embeddings
 from .checkpoint_check import check_codes, check_row_orders, check_tensors_match
 from .compat import mark_compressed, register_quantization_method, untie_converted_heads
+from .saving import save_compressed
 from .config import QUANT_METHOD, WEIGHTS_GUARD, ComeraConfig
 from .integer_storage import IntegerLoading
 
@@ -69,7 +70,7 @@ class ComeraQuantizer(HfQuantizer):
             self._integers = None
         check_row_orders(model)
         check_codes(model)
-        mark_compressed(model, self.quantization_config)
+        mark_converted(model, self.quantization_config)
         return model
 
     def is_serializable(self, safe_serialization=None):
@@ -87,6 +88,13 @@ class ComeraQuantizer(HfQuantizer):
     @property
     def is_compileable(self) -> bool:
         return True
+
+
+def mark_converted(model, quantization_config: ComeraConfig) -> None:
+    """Make a converted (or just loaded) model look and save like a loaded compressed model: the
+    config records the compression, and ``save_pretrained`` writes compressed checkpoints."""
+    mark_compressed(model, quantization_config, ComeraQuantizer(quantization_config, pre_quantized=True),
+                    save_compressed)
 
 
 def register() -> None:

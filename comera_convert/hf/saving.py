@@ -98,13 +98,6 @@ def weight_bytes(path) -> int:
     return sum(f.stat().st_size for f in files)
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write a text file through a temporary sibling and a rename: never half-written."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def check_output_dir(out: str | os.PathLike, overwrite: bool) -> Path:
     """Refuse an output path that is a file, or a non-empty directory unless overwriting."""
     out = Path(out)

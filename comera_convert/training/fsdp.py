@@ -30,8 +30,8 @@ from torch import nn
 
 from ..conversion.targets import find_blocks
 from ..errors import ConfigError
-from ..hf.spool import meta_parameter, replace_tensors
-from ..hf.streaming import give_back_free_memory
+from ..pipeline.spool import meta_parameter, replace_tensors
+from ..pipeline.streaming import give_back_free_memory
 
 OPTIMIZER_FOLDER = "optimizer_sharded"  # in a Trainer checkpoint, beside the truncated model
 

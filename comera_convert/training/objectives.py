@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from ..conversion.targets import find_blocks
 from ..errors import ConfigError
 from ..hf.sentence_config import pool
-from ..hf.sequential import hidden_of
+from ..pipeline.sequential import hidden_of
 
 
 def _supports(model_type: str, mapping_name: str) -> bool:

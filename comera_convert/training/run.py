@@ -488,7 +488,8 @@ def export(model, history: list[dict], out: Path, source: str, training: dict, c
     """Write the trained model truncated to its open ranks, its history and its curve, with every
     non-weight file of ``source`` and the lineage of its report; return the report."""
     from ..conversion.report import describe, lineage, read_report
-    from ..hf.saving import save_compressed, shard_kwargs, write_text_atomic
+    from ..hf.files import write_text_atomic
+    from ..hf.saving import save_compressed, shard_kwargs
     from .plot import plot_history
 
     truncated, _ = truncated_copy(model, fold=True)

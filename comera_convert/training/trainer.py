@@ -168,7 +168,8 @@ class ComeraTrainer(Trainer):
         self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / SCHEDULER_NAME, weights_only=True))
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
-        from ..hf.saving import save_compressed, write_text_atomic
+        from ..hf.files import write_text_atomic
+        from ..hf.saving import save_compressed
 
         model = self.accelerator.unwrap_model(self.model)
         if self.sharding is not None:

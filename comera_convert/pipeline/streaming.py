@@ -23,15 +23,10 @@ import torch
 from torch import nn
 
 from ..errors import ModelLoadError
-from .checkpoint_check import aliases, read_header_and_start
-from .compat import retie_dense_heads
+from ..hf.checkpoint_check import aliases, read_header_and_start
+from ..hf.compat import retie_dense_heads
+from ..hf.files import GENERATION_FILE, INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE
 
-INDEX_FILE = "model.safetensors.index.json"
-SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                      "U8": torch.uint8, "BOOL": torch.bool}
-SINGLE_FILE = "model.safetensors"
-GENERATION_FILE = "generation_config.json"
 
 
 class SafetensorsSource:
@@ -220,7 +215,7 @@ class Streamed:
     def spill(self, model: nn.Module, name: str) -> None:
         """Write module ``name`` (cast to the storage dtype) to the spool and free its memory."""
         from ..conversion.storage import cast_for_storage, integer_axes
-        from .integer_storage import stored_entries
+        from ..hf.integer_storage import stored_entries
 
         if self.storage_dtype is not None:
             cast_for_storage(model.get_submodule(name), self.storage_dtype)

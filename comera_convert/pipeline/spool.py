@@ -19,13 +19,12 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from .compat import saved_tensor_names
-from .integer_storage import with_scales
-from .streaming import INDEX_FILE, SAFETENSORS_DTYPES
+from ..hf.compat import saved_tensor_names
+from ..hf.integer_storage import with_scales
+from ..hf.files import SAFETENSORS_DTYPES, SHARD_PATTERN, write_index, write_model_files
 
 DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 COPY_BLOCK = 16 * 2 ** 20  # bytes moved from the spool to a shard per read: memory stays flat
-SHARD_PATTERN = "model{suffix}.safetensors"  # save_pretrained's names: model-00001-of-00003.safetensors
 
 
 @dataclass(frozen=True)
@@ -146,20 +145,3 @@ def meta_parameter(param: nn.Parameter) -> nn.Parameter:
     return nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
 
 
-def write_index(model: nn.Module, directory: Path, split) -> None:
-    """The shard index ``save_pretrained`` writes beside sharded weights (none for a single file,
-    which is model.safetensors, as save_pretrained names it)."""
-    if split.is_sharded:
-        index = {"metadata": {"total_parameters": model.num_parameters(), **split.metadata},
-                 "weight_map": split.tensor_to_filename}
-        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-
-def write_model_files(model: nn.Module, directory: Path) -> None:
-    """The files ``save_pretrained`` writes besides the weights: config.json (with the dtype and
-    architecture it records) and, for generating models, generation_config.json."""
-    model.config.dtype = str(model.dtype).removeprefix("torch.")
-    model.config.architectures = [type(model).__name__]
-    model.config.save_pretrained(directory)
-    if model.can_generate():
-        model.generation_config.save_pretrained(directory)
