@@ -262,8 +262,12 @@ class Framing:
         joiner = sep_id if sep_id is not None else tokenizer.eos_token_id
         return cls(body, joiner, cls_id if wrap else None, sep_id if wrap else None)
 
+    def ids(self, chunk: list[int]) -> list[int]:
+        """A block's ids: ``chunk`` framed as the tokenizer frames a text."""
+        return [self.cls_id] + chunk + [self.sep_id] if self.cls_id is not None else chunk
+
     def block(self, chunk: list[int]) -> torch.Tensor:
-        return torch.tensor([self.cls_id] + chunk + [self.sep_id] if self.cls_id is not None else chunk)
+        return torch.tensor(self.ids(chunk))
 
     @property
     def wrapped(self) -> bool:
@@ -272,25 +276,27 @@ class Framing:
 
 @dataclass
 class Sample:
-    """Blocks that start at document starts (``blocks[i]``: document i's consecutive blocks; a
-    short document runs on into the next ones) and how often each token id occurs in the text read."""
+    """Blocks that start at document starts (``blocks[i]``: document i's consecutive blocks, as id
+    lists; a short document runs on into the next ones) and how often each token id occurs in the
+    text read. The blocks stay lists until ``spread`` picks some: a calibration reads millions of
+    tokens for their counts and keeps a few hundred blocks, and a tensor per block read cost seconds."""
 
-    blocks: list[list[torch.Tensor]]
+    blocks: list[list[list[int]]]
     counts: torch.Tensor
     tokens: int
 
     def spread(self, count: int) -> list[torch.Tensor]:
         """``count`` blocks evenly spread over the documents: every document's first block, then
         (when that is too few) second blocks, and so on, picked at even intervals."""
-        pool: list[torch.Tensor] = []
+        pool: list[list[int]] = []
         depth = 0
         while len(pool) < count and any(len(b) > depth for b in self.blocks):
             pool += [b[depth] for b in self.blocks if len(b) > depth]
             depth += 1
-        if len(pool) <= count:
-            return pool
-        picks = torch.linspace(0, len(pool) - 1, count).round().long().tolist()
-        return [pool[i] for i in picks]
+        if len(pool) > count:
+            picks = torch.linspace(0, len(pool) - 1, count).round().long().tolist()
+            pool = [pool[i] for i in picks]
+        return [torch.tensor(ids) for ids in pool]
 
 
 def sample(source: str, tokenizer, seq_len: int, vocab_size: int, max_tokens: int) -> Sample:
@@ -314,7 +320,7 @@ def sample(source: str, tokenizer, seq_len: int, vocab_size: int, max_tokens: in
         stream.extend(ids + ([framing.joiner] if framing.joiner is not None else []))
         if len(stream) >= framing.body:
             usable = len(stream) - len(stream) % framing.body
-            per_document.append([framing.block(stream[i:i + framing.body]) for i in range(0, usable, framing.body)])
+            per_document.append([framing.ids(stream[i:i + framing.body]) for i in range(0, usable, framing.body)])
             stream = []  # the next block starts at the next document
         if read >= max_tokens:
             break
