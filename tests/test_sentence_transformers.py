@@ -23,11 +23,9 @@ pytestmark = pytest.mark.slow
 SENTENCES = ["Tensor trains compress weight matrices.", "The cat sat on the mat.", "A rose by any other name"]
 
 
-@pytest.fixture(scope="module")
-def minilm_tt4(tmp_path_factory):
-    out = tmp_path_factory.mktemp("st") / "minilm-tt4"
-    convert_checkpoint("minilm", out, ConvertOptions(ratio=4))
-    return out
+@pytest.fixture
+def minilm_tt4(minilm_tt4_plain):
+    return minilm_tt4_plain
 
 
 def module_kinds(model):

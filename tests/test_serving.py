@@ -94,6 +94,7 @@ def _compiles_once(model) -> bool:
     return True
 
 
+@pytest.mark.slow  # a compilation end to end
 def test_torch_compile_of_a_loaded_model(tmp_path):
     import torch._dynamo
 

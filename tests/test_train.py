@@ -817,8 +817,8 @@ def train_command(path, corpus, out, objective: str = "mlm", *extra: str) -> lis
             "--save-steps", "3", "--target-ratio", "4", "--out", str(out), "--json", *extra]
 
 
-@pytest.mark.parametrize("case,objective", [("bert-mlm", "mlm"), ("llama-clm", "clm"), ("bert-mlm", "distill")])
-def test_two_process_ddp_and_fsdp_over_gloo_train_alike(tmp_path, tokenizer, corpus, case, objective):
+def ddp_run(tmp_path, tokenizer, corpus, case, objective):
+    """(the compressed checkpoint, what `comera train` printed) of a two-worker DDP run heading for ratio 4."""
     path = compressed(tmp_path, tokenizer, case)
     # --json: the main process prints the result, the other nothing
     ddp = json.loads(torchrun(*train_command(path, corpus, tmp_path / "ddp", objective)))
@@ -827,6 +827,17 @@ def test_two_process_ddp_and_fsdp_over_gloo_train_alike(tmp_path, tokenizer, cor
     # Both workers closed the same entries by the same importance (the end check compares them).
     assert 4.0 <= _dense_params(path) / count_params(trained) <= 4.0 * 1.02
     assert trained.config.quantization_config.to_dict()["modules"]
+    return path, ddp
+
+
+def test_two_process_ddp_over_gloo_reaches_its_target(tmp_path, tokenizer, corpus):
+    ddp_run(tmp_path, tokenizer, corpus, "bert-mlm", "mlm")
+
+
+@pytest.mark.slow  # two workers, twice each: DDP, then FSDP
+@pytest.mark.parametrize("case,objective", [("bert-mlm", "mlm"), ("llama-clm", "clm"), ("bert-mlm", "distill")])
+def test_two_process_ddp_and_fsdp_over_gloo_train_alike(tmp_path, tokenizer, corpus, case, objective):
+    path, ddp = ddp_run(tmp_path, tokenizer, corpus, case, objective)
     fsdp = json.loads(torchrun(*train_command(path, corpus, tmp_path / "fsdp", objective, "--fsdp")))
     assert fsdp["shortfall"] is None and fsdp["ratio_after"] == pytest.approx(ddp["ratio_after"])
     # The same batches and the same averaged gradients: the same entries closed, the same values
@@ -837,6 +848,7 @@ def test_two_process_ddp_and_fsdp_over_gloo_train_alike(tmp_path, tokenizer, cor
     assert sorted(p.name for p in checkpoint.glob("rng_state_*.pth")) == ["rng_state_0.pth", "rng_state_1.pth"]
 
 
+@pytest.mark.slow
 def test_fsdp_shards_the_model_and_resumes_exactly(tmp_path, tokenizer, corpus):
     from pathlib import Path
 
