@@ -23,19 +23,24 @@ def run(*args):
     return CliRunner(env={"COLUMNS": "200"}).invoke(main, [str(a) for a in args])
 
 
-@pytest.fixture(params=[False, True], ids=["untied-head", "tied-head"])
-def sharded(request, tmp_path):
-    """A Llama-shaped model with grouped-query attention, converted by the CLI into 100 KB shards."""
+def sharded_checkpoint(folder, tied: bool):
+    """A Llama-shaped model with grouped-query attention (its head tied to its embedding or not),
+    converted by the CLI into 100 KB shards: (dense folder, compressed folder)."""
     model = build("llama-clm")
-    if request.param:
+    if tied:
         model.config.tie_word_embeddings = True
         model.lm_head.weight = model.model.embed_tokens.weight
-    dense = tmp_path / "dense"
+    dense = folder / "dense"
     model.save_pretrained(dense)
-    out = tmp_path / "tt"
+    out = folder / "tt"
     result = run("convert", dense, "--ratio", "2", "--max-shard-size", "100KB", "--out", out)
     assert result.exit_code == 0, result.output
     return dense, out
+
+
+@pytest.fixture(params=[False, True], ids=["untied-head", "tied-head"])
+def sharded(request, tmp_path):
+    return sharded_checkpoint(tmp_path, request.param)
 
 
 def test_shards_and_index_are_written_and_load_three_ways(sharded, tmp_path):
@@ -51,21 +56,29 @@ def test_shards_and_index_are_written_and_load_three_ways(sharded, tmp_path):
     assert torch.equal(outputs(auto), outputs(reference))
     dense_model = tf.AutoModelForCausalLM.from_pretrained(dense).eval()
     assert not torch.equal(outputs(reference), outputs(dense_model))  # it is the compressed model
-    script = textwrap.dedent("""
-        import sys, torch
-        from transformers import AutoModelForCausalLM
-        model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
-        torch.save(model(input_ids=torch.load(sys.argv[2])).logits, sys.argv[3])
-    """)
-    torch.save(inputs()["input_ids"], tmp_path / "ids.pt")
-    fresh = subprocess.run([sys.executable, "-c", script, str(out), str(tmp_path / "ids.pt"), str(tmp_path / "o.pt")],
-                           capture_output=True, text=True, timeout=300)
-    assert fresh.returncode == 0, fresh.stderr[-2000:]
-    assert torch.equal(torch.load(tmp_path / "o.pt"), outputs(reference))
-
     report = json.loads(run("report", out, "--json").output)
     assert report["params"] == report["report"]["params_after"]  # every shard counted
     assert report["disk_bytes"] == sum(f.stat().st_size for f in shards)
+
+
+def test_sharded_checkpoints_load_with_remote_code_in_a_fresh_process(tmp_path):
+    """The third way (trust_remote_code, no import of ours), for both heads in one fresh process."""
+    script = textwrap.dedent("""
+        import sys, torch
+        from transformers import AutoModelForCausalLM
+        ids = torch.load(sys.argv[1])
+        for path in sys.argv[2:]:
+            model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).eval()
+            torch.save(model(input_ids=ids).logits, path + ".logits.pt")
+    """)
+    outs = [sharded_checkpoint(tmp_path / name, tied)[1] for name, tied in (("untied", False), ("tied", True))]
+    torch.save(inputs()["input_ids"], tmp_path / "ids.pt")
+    fresh = subprocess.run([sys.executable, "-c", script, str(tmp_path / "ids.pt"), *map(str, outs)],
+                           capture_output=True, text=True, timeout=300)
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    for out in outs:
+        reference = comera_convert.from_pretrained(out).eval()
+        assert torch.equal(torch.load(f"{out}.logits.pt"), outputs(reference)), out.parent.name
 
 
 def test_decompress_shards_too(sharded, tmp_path):
