@@ -14,9 +14,9 @@ from transformers.quantizers import HfQuantizer
 from ..conversion.records import build_from_records, tie_heads_to_converted_embeddings
 from .checkpoint_check import check_codes, check_row_orders, check_tensors_match
 from .compat import mark_compressed, register_quantization_method, untie_converted_heads
-from .saving import save_compressed
 from .config import QUANT_METHOD, WEIGHTS_GUARD, ComeraConfig
 from .integer_storage import IntegerLoading
+from .saving import save_compressed
 
 
 class ComeraQuantizer(HfQuantizer):
