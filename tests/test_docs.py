@@ -97,7 +97,7 @@ def test_the_docs_build_names_the_extra_it_misses(capsys):
 
 def test_the_docs_hook_names_public_objects_without_a_docstring(tmp_path, monkeypatch):
     """What `mkdocs build --strict` fails on: an object the API reference documents, or a public member of
-    it, without a docstring (docs/hooks/docstrings.py warns; --strict turns the warning into a failure)."""
+    it, without a docstring (tools/docs_docstring_hook.py warns; --strict turns the warning into a failure)."""
     import importlib.util
 
     pytest.importorskip("griffe")
@@ -108,7 +108,7 @@ def test_the_docs_hook_names_public_objects_without_a_docstring(tmp_path, monkey
                                     'def bare():\n    pass\n\n\ndef _private():\n    pass\n\n\n'
                                     'class Thing:\n    """A thing."""\n\n    def method(self):\n        pass\n')
     monkeypatch.syspath_prepend(str(tmp_path))
-    spec = importlib.util.spec_from_file_location("docstrings_hook", REPO / "docs" / "hooks" / "docstrings.py")
+    spec = importlib.util.spec_from_file_location("docstrings_hook", REPO / "tools" / "docs_docstring_hook.py")
     hook = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hook)
     assert hook.undocumented("sample_pkg.api.documented") == []
