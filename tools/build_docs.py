@@ -10,6 +10,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 # What the docs extra installs, by the module each provides.
 DOCS_MODULES = {"mkdocs": "mkdocs", "material": "mkdocs-material", "mkdocstrings_handlers.python": "mkdocstrings[python]",
@@ -36,7 +37,8 @@ def main(argv: list[str]) -> int:
               "pip install -e '.[docs]'", file=sys.stderr)
         return 2
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}  # mkdocs 1.x prints a banner about its successor
-    return subprocess.call([sys.executable, "-m", "mkdocs", "build", "--strict", *argv], env=env)
+    repo = Path(__file__).resolve().parent.parent  # mkdocs.yml, and the snippets' paths, are relative to it
+    return subprocess.call([sys.executable, "-m", "mkdocs", "build", "--strict", *argv], env=env, cwd=repo)
 
 
 if __name__ == "__main__":
