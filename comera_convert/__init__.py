@@ -28,6 +28,7 @@ EXPORTS = {
     "ConvertOptions": "conversion", "ConversionReport": "conversion", "Calibration": "conversion",
     "ComeraError": "errors",
     "TTLinear": "layers", "TTEmbedding": "layers", "CodebookEmbedding": "layers", "TTModule": "layers", "TiedTTHead": "layers",
+    "use_int8_compute": "layers", "Int8Linear": "layers",
     "lora_config": "hf.lora", "load_lora": "hf.lora",  # need peft
 }
 __all__ = ["__version__", *EXPORTS]

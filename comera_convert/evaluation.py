@@ -17,6 +17,7 @@ causal LMs perplexity of both models
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -193,20 +194,27 @@ def static_baseline(source_path, stored_bytes: int, config) -> StaticBaseline | 
     return StaticBaseline(source_path, stored_bytes, config["vocab_size"], config["hidden_size"])
 
 
-def evaluate(compressed_name: str, reference_name: str | None = None, data=None, texts: int = 64,
-             seq_len: int = 128, baselines: bool = False, progress: Progress = no_progress,
-             pairs=None) -> dict:
-    """Metrics of a compressed checkpoint against its dense reference (the recorded source by
-    default), per domain: the built-in corpora's held-out splits, ``data`` (one source or a list)
-    and ``pairs`` (JSONL files of query/document pairs, a domain each, named by the file).
-    ``baselines``: also the same metrics of the peers (``peers.py``, and Model2Vec at equal bytes), and
-    every model's size in bytes (``sizes``)."""
+@dataclass
+class Compared:
+    """A compressed checkpoint loaded beside its dense reference, with what both are measured by."""
+
+    compressed: torch.nn.Module
+    reference: torch.nn.Module
+    tokenizer: object
+    kind: str  # "encoder", "mlm" or "clm"
+    pooling: str  # how sentence embeddings are pooled (the checkpoint's sentence-transformers config)
+    path: Path
+    config: dict
+    source: str  # the reference's name
+
+
+def load_compared(compressed_name: str, reference_name: str | None = None, command: str = "comera eval",
+                  progress: Progress = no_progress) -> Compared:
+    """The compressed checkpoint and its dense reference (the recorded source unless named), in eval mode."""
     from .hf.config import compression_of
     from .hf.loading import from_pretrained
     from .models import load_model, load_tokenizer, read_config, resolve
 
-    extra = [data] if isinstance(data, str) else list(data or [])
-    sources = list(dict.fromkeys([*DEFAULT_DOMAINS, *extra]))
     path = resolve(compressed_name)
     config = read_config(path)
     source = reference_name or (compression_of(config) or {}).get("source")
@@ -219,7 +227,24 @@ def evaluate(compressed_name: str, reference_name: str | None = None, data=None,
     reference, _ = load_model(source, task=task)
     reference.eval()
     _check_match(compressed, reference, source)
-    tokenizer = load_tokenizer(path, "comera eval")
+    pipeline = read_pipeline(path)  # a sentence-transformers model pools as its own config says
+    return Compared(compressed, reference, load_tokenizer(path, command), kind,
+                    pipeline.pooling if pipeline else "mean", path, config, source)
+
+
+def evaluate(compressed_name: str, reference_name: str | None = None, data=None, texts: int = 64,
+             seq_len: int = 128, baselines: bool = False, progress: Progress = no_progress,
+             pairs=None) -> dict:
+    """Metrics of a compressed checkpoint against its dense reference (the recorded source by
+    default), per domain: the built-in corpora's held-out splits, ``data`` (one source or a list)
+    and ``pairs`` (JSONL files of query/document pairs, a domain each, named by the file).
+    ``baselines``: also the same metrics of the peers (``peers.py``, and Model2Vec at equal bytes), and
+    every model's size in bytes (``sizes``)."""
+    extra = [data] if isinstance(data, str) else list(data or [])
+    sources = list(dict.fromkeys([*DEFAULT_DOMAINS, *extra]))
+    pair = load_compared(compressed_name, reference_name, "comera eval", progress)
+    compressed, reference, tokenizer, kind = pair.compressed, pair.reference, pair.tokenizer, pair.kind
+    path, config, source = pair.path, pair.config, pair.source
     pair_files = [pairs] if isinstance(pairs, (str, Path)) else list(pairs or [])
     if pair_files and kind == "clm":
         raise ConfigError("--pairs scores retrieval by sentence embeddings, which causal LMs are not "
@@ -229,8 +254,7 @@ def evaluate(compressed_name: str, reference_name: str | None = None, data=None,
     reach = texts * (PASSAGES_PER_PAIR if kind != "clm" else 1)
     passages = {name: held_out_texts(name, reach) for name in sources}
     batches = {name: domain_batch(tokenizer, name, passages[name][:texts], seq_len) for name in sources}
-    pipeline = read_pipeline(path)  # a sentence-transformers model pools as its own config says
-    pooling = pipeline.pooling if pipeline else "mean"
+    pooling = pair.pooling
     tasks = {}
     if kind != "clm":
         found = {name: pairs_from_texts(passages[name], texts) for name in sources}

@@ -3,6 +3,7 @@
 timing   medians after warm-up (CUDA events), peak memory (CUDA allocator, or CPU peak RSS)
 layers   TTLinear vs nn.Linear vs tensorly-torch; TTEmbedding vs nn.Embedding vs a naive lookup
 models   a training step (bert-base or a 1.1 B Llama; dense, GaLore, TT), inference, conversion time
+serving  a real checkpoint's embedding throughput and quality against dense and int8 rounding
 child    one training-step variant in a fresh process
 """
 
@@ -14,6 +15,7 @@ import torch
 
 from .layers import embedding_case, layer_case
 from .models import convert_case, inference_case, train_step_case
+from .serving import serving_case
 
 CASES = {"layer": layer_case, "embedding": embedding_case, "train-step": train_step_case,
          "convert": convert_case, "inference": inference_case}
@@ -34,15 +36,20 @@ def machine() -> str:
 
 
 def run(cases, device: str, dtype: torch.dtype, quick: bool, repeats: int, progress=None,
-        variants=None, model_name: str = "bert-base") -> list[dict]:
+        variants=None, model_name: str = "bert-base", serving: dict | None = None) -> list[dict]:
     """The rows of each case in turn; ``progress(message)`` hears of each case, and of each variant of
     the training step (minutes: one fresh process per variant); ``variants`` limits the training
     step to those names and their dense baselines; ``model_name`` is the model whose training step
-    is timed (one of ``models.TRAIN_MODELS``)."""
+    is timed (one of ``models.TRAIN_MODELS``). ``serving``: the inference case measures this real
+    checkpoint instead (``serving_case``'s keyword arguments: checkpoint, reference_name, pair_files,
+    texts)."""
     progress = progress or (lambda message: None)
     rows = []
     for name in cases:
         progress(name)
+        if name == "inference" and serving:
+            rows.extend(serving_case(**serving, repeats=repeats, progress=progress))
+            continue
         case = CASES[name]
         if name == "train-step":
             case = functools.partial(case, progress=progress, variants=variants, model_name=model_name)

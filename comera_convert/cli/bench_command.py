@@ -13,8 +13,8 @@ from .console import console, echo_json, progress_display
 
 COLUMNS = ("method", "shape", "tokens", "ranks", "params_ratio", "flop_ratio", "speedup", "speedup_per_flop_ratio",
            "graph_speedup", "graph_speedup_per_flop_ratio",
-           "ms", "seconds", "tokens_per_s", "peak_mb", "speed_vs_dense", "memory_vs_dense", "speed_vs_galore",
-           "memory_vs_galore", "time_vs_load_save", "error")
+           "ms", "seconds", "tokens_per_s", "sentences_per_s", "peak_mb", "speed_vs_dense", "memory_vs_dense", "speed_vs_galore",
+           "memory_vs_galore", "time_vs_load_save", "recall_kept", "error")
 
 
 @main.command()
@@ -34,7 +34,18 @@ COLUMNS = ("method", "shape", "tokens", "ranks", "params_ratio", "flop_ratio", "
               help="train-step: the model whose step is timed, random weights: bert-base as a masked LM, or "
                    "TinyLlama's 1.1 B shape as a causal LM (GPU-sized: about 18 GB of float32 weights, "
                    "gradients and AdamW state).")
-def bench(cases, quick, device, dtype, repeats, json_path, variants, model_name):
+@click.option("--checkpoint", metavar="PATH",
+              help="inference: a real compressed encoder's sentences a second on the CPU, beside its dense "
+                   "source, int8 dynamic quantization of the dense model and int8 compute of its own, each "
+                   "with its retrieval recall@1 kept (instead of random bert-base).")
+@click.option("--reference", metavar="NAME", help="--checkpoint: the dense model [default: its recorded source].")
+@click.option("--pairs", "pair_files", multiple=True, type=click.Path(exists=True, dir_okay=False), metavar="FILE",
+              help="--checkpoint: JSONL query/document pairs, a domain each (repeatable) [default: held-out "
+                   "pairs of the english corpus].")
+@click.option("--texts", type=click.IntRange(min=2), default=512, show_default=True,
+              help="--checkpoint: texts embedded per timed round, and pairs per domain.")
+def bench(cases, quick, device, dtype, repeats, json_path, variants, model_name, checkpoint, reference, pair_files,
+          texts):
     """Measure CASES (default: all): layer, embedding, train-step, convert, inference."""
     import torch
 
@@ -45,8 +56,8 @@ def bench(cases, quick, device, dtype, repeats, json_path, variants, model_name)
     from ..errors import ConfigError
     from ..hf.files import write_text_atomic
 
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "auto":  # a checkpoint's serving is measured on the CPU, where int8 kernels run
+        device = "cuda" if torch.cuda.is_available() and not checkpoint else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available here")
     cases = cases or CASE_NAMES
@@ -56,16 +67,26 @@ def bench(cases, quick, device, dtype, repeats, json_path, variants, model_name)
         chosen_variants(device, variants)  # an unknown name fails now, not after the other cases
     if model_name != "bert-base" and "train-step" not in cases:
         raise ConfigError(f"--model chooses the train-step model, and the cases are {', '.join(cases)}")
+    serving = None
+    if checkpoint:
+        if "inference" not in cases:
+            raise ConfigError(f"--checkpoint measures the inference case, and the cases are {', '.join(cases)}")
+        if device != "cpu":
+            raise ConfigError(f"--checkpoint measures CPU serving (int8 kernels run on the CPU), not --device {device}")
+        serving = {"checkpoint": checkpoint, "reference_name": reference, "pair_files": pair_files, "texts": texts}
+    elif reference or pair_files:
+        raise ConfigError("--reference and --pairs go with --checkpoint")
     repeats = repeats or (2 if quick else 5)
     out = console()
     with progress_display() as update:
         def progress(message: str) -> None:
             update(f"bench: {message}")
-            if not out.is_terminal:  # a log file: one line per step, so a run cut short shows how far it got
+            # A log file: one line per step, so a run cut short shows how far it got (not into --json's stdout).
+            if not out.is_terminal and json_path != "-":
                 out.print(f"bench: {message}", highlight=False)
 
         rows = benchmarks.run(cases, device, getattr(torch, dtype), quick, repeats, progress, variants or None,
-                              model_name)
+                              model_name, serving)
     payload = {"machine": benchmarks.machine(), "torch": torch.__version__, "device": device,
                "dtype": dtype, "quick": quick, "rows": rows}
     if json_path == "-":
@@ -89,4 +110,6 @@ def _cell(value) -> str:
         return ""
     if isinstance(value, list):
         return ",".join(map(str, value))
+    if isinstance(value, dict):  # recall kept by domain
+        return ", ".join(f"{key} {item}" for key, item in value.items())
     return str(value)

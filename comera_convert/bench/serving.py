@@ -1,0 +1,114 @@
+"""Embedding throughput of a real checkpoint on a CPU, beside its dense source and the peers a deployer
+tries first, with the quality each keeps (`comera bench inference --checkpoint PATH`).
+
+Methods: the dense model; the dense model with its linears in int8 (torch's dynamic quantization,
+``quantize_dynamic``); the compressed model in float32; the compressed model with int8 compute
+(``layers.use_int8_compute``). Texts are embedded as sentence-transformers' ``encode`` does: sorted
+by length, in batches of ``BATCH``. Each timed round runs every method once, in turn, and each method
+reports its median round (rounds side by side: the machine's drift meets every method alike).
+Quality: each method's retrieval recall@1 on query/document pairs as a share of the dense model's.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+import warnings
+from itertools import zip_longest
+
+import torch
+
+BATCH = 32  # sentence-transformers' default encode batch
+SEQ_LEN = 256  # tokens a text is cut to (the longest MiniLM and MPNet sentence models embed)
+DENSE, DENSE_INT8, OURS, OURS_INT8 = ("dense", "dense, int8 dynamic (torch)", "comera float32", "comera int8 compute")
+
+
+def quantized_dense(reference: torch.nn.Module) -> torch.nn.Module:
+    """The dense model with every nn.Linear in int8 by torch's dynamic quantization (a copy)."""
+    with warnings.catch_warnings():  # torch announces the eager quantization API's move to torchao
+        warnings.simplefilter("ignore")
+        return torch.ao.quantization.quantize_dynamic(copy.deepcopy(reference), {torch.nn.Linear}, dtype=torch.qint8)
+
+
+def int8_compute_copy(compressed: torch.nn.Module) -> torch.nn.Module:
+    """The compressed model with int8 GEMMs (a copy)."""
+    from ..layers import use_int8_compute
+
+    model = copy.deepcopy(compressed)
+    use_int8_compute(model)
+    return model
+
+
+def length_sorted_batches(tokenizer, texts: list[str], batch: int = BATCH) -> list[dict]:
+    """The texts tokenized in batches of ``batch``, shortest first (as ``encode`` batches them)."""
+    ordered = sorted(texts, key=lambda text: len(tokenizer.tokenize(text)))
+    return [tokenizer(ordered[start:start + batch], padding=True, truncation=True, max_length=SEQ_LEN,
+                      return_tensors="pt") for start in range(0, len(ordered), batch)]
+
+
+@torch.inference_mode()
+def _embed_all(model, batches) -> None:
+    for batch in batches:
+        model(**batch)
+
+
+def timed_rounds(models: dict, batches: list[dict], repeats: int) -> dict[str, float]:
+    """Median seconds of one pass over ``batches`` per model, the models taking turns each round."""
+    for model in models.values():  # warm-up: first-call allocations and packing
+        _embed_all(model, batches[:2])
+    rounds = {name: [] for name in models}
+    for _ in range(repeats):
+        for name, model in models.items():
+            start = time.perf_counter()
+            _embed_all(model, batches)
+            rounds[name].append(time.perf_counter() - start)
+    return {name: statistics.median(seconds) for name, seconds in rounds.items()}
+
+
+def serving_case(checkpoint: str, reference_name: str | None, pair_files, texts: int, repeats: int,
+                 progress=None) -> list[dict]:
+    """One row per method: sentences a second, speed against dense, and recall@1 kept per pair domain
+    (each of ``pair_files``, else the built-in english corpus's held-out pairs)."""
+    from ..evaluation import load_compared
+    from ..retrieval import held_out_pairs, kept, model_retrieval, read_pairs
+
+    progress = progress or (lambda message: None)
+    pair = load_compared(checkpoint, reference_name, "comera bench", progress)
+    if pair.kind == "clm":
+        from ..errors import ConfigError
+
+        raise ConfigError("--checkpoint measures sentence embedding: pass an encoder, not a causal LM")
+    progress("int8 copies of the dense and compressed models")
+    models = {DENSE: pair.reference, DENSE_INT8: quantized_dense(pair.reference), OURS: pair.compressed,
+              OURS_INT8: int8_compute_copy(pair.compressed)}
+    domains = ({_domain_name(file): read_pairs(file, texts) for file in pair_files} if pair_files
+               else {"english": held_out_pairs("english", texts)})
+    documents = interleaved([[document for _, document in pairs] for pairs in domains.values()])[:texts]
+    batches = length_sorted_batches(pair.tokenizer, documents)
+    progress(f"timing {len(documents)} texts, {repeats} rounds of {len(models)} models")
+    seconds = timed_rounds(models, batches, repeats)
+    quality = {}
+    for index, (domain, pairs) in enumerate(domains.items()):
+        progress(f"retrieval on {domain} ({index + 1}/{len(domains)})")
+        scores = {name: model_retrieval(model, pair.tokenizer, pairs, SEQ_LEN, pair.pooling)
+                  for name, model in models.items()}
+        quality[domain] = {name: kept(score, scores[DENSE])["recall_kept"] for name, score in scores.items()}
+    tokens = sum(int(batch["attention_mask"].sum()) for batch in batches)
+    shape = f"{pair.source}, {len(documents)} texts ({tokens / len(documents):.0f} tokens avg), batch {BATCH}"
+    return [{"case": "inference", "method": name, "device": "cpu", "dtype": "float32", "shape": shape,
+             "sentences_per_s": round(len(documents) / seconds[name], 1),
+             "speed_vs_dense": round(seconds[DENSE] / seconds[name], 2),
+             "recall_kept": {domain: round(shares[name], 3) for domain, shares in quality.items()}}
+            for name in models]
+
+
+def interleaved(lists: list[list]) -> list:
+    """The lists' items taken in turn (a1, b1, a2, b2, ...): a cut of it samples every list."""
+    return [item for group in zip_longest(*lists) for item in group if item is not None]
+
+
+def _domain_name(file) -> str:
+    from pathlib import Path
+
+    return Path(file).stem
