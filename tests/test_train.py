@@ -402,11 +402,10 @@ def test_the_wall_time_schedule_follows_the_larger_share_of_time_or_steps(kind, 
     assert clock.spent() == (spent >= 60)
 
 
-def test_a_time_budget_is_a_positive_number_and_not_combined_with_a_target_ratio():
+def test_a_time_budget_is_a_positive_number():
     with pytest.raises(ConfigError, match=r"expected minutes as a positive number \(got 0\)"):
         TrainOptions(minutes=0)
-    with pytest.raises(ConfigError, match="--minutes with --target-ratio"):
-        TrainOptions(minutes=5, target_ratio=3, steps=100)
+    assert TrainOptions(minutes=5, target_ratio=3, steps=100).minutes == 5  # a target runs in minutes too
 
 
 def test_adamw_is_fused_only_when_all_parameters_share_a_supported_device():
@@ -947,6 +946,62 @@ def test_a_run_stopped_before_its_schedule_ends_says_it_missed_the_target(tmp_pa
                         r"schedule's end \(step 13\): resume it \(--resume\) or train longer", result.shortfall)
     record = json.loads((tmp_path / "out" / "comera_report.json").read_text())["extra"]["training"]
     assert record["target_reached"] is False
+
+
+def _timed_controller(tmp_path, tokenizer, spent_seconds: float):
+    """A controller of a --ratio 2 model for a 1-minute run of 1000 steps to 4x, its clock at ``spent_seconds``."""
+    from comera_convert.training.rank_control import RankController
+    from comera_convert.training.wall_clock import WallClock
+
+    path = compressed(tmp_path, tokenizer, ratio=2)
+    options = TrainOptions(steps=1000, minutes=1, target_ratio=4.0).for_objective("mlm")
+    controller = RankController(comera_convert.from_pretrained(path), options, _dense_params(path))
+    controller.clock = WallClock(options.minutes)
+    controller.clock.already = spent_seconds
+    return controller
+
+
+def test_with_minutes_the_stage_switch_and_the_budget_follow_the_time_spent(tmp_path, tokenizer):
+    controller = _timed_controller(tmp_path, tokenizer, spent_seconds=30)
+    assert not controller.should_switch(10)  # half the time, a hundredth of the steps: still early
+    controller.clock.already = 40.5  # past two thirds of the minute (the default early share)
+    assert controller.should_switch(10)
+    controller.switch(10)
+    assert controller.state.switch_progress == pytest.approx(0.675)
+    start, target = controller.state.size_at_switch, controller.state.target_size
+    controller.clock.already = 40.5 + 0.5 * 0.75 * (60 - 40.5)  # half way down the schedule
+    assert controller.budget_at(11) == target + round((start - target) * 0.5 ** 3)
+    controller.clock.already = 40.5 + 0.75 * (60 - 40.5)  # the schedule's end, whatever the step
+    assert controller.budget_at(12) == target
+    controller.clock.already = 50
+    assert re.fullmatch(r"target ratio 4x missed: reached 2\.\d\dx, the --minutes budget ran out at step 12, "
+                        r"\d+% of the way down its budget schedule: give more --minutes, or fewer --steps "
+                        r"\(the schedule follows whichever runs out first\)", controller.shortfall(12))
+
+
+def test_with_minutes_too_short_for_the_late_stage_a_warning_says_so(tmp_path, tokenizer):
+    controller = _timed_controller(tmp_path, tokenizer, spent_seconds=45)
+    controller.state.stage = "late"
+    assert controller.short_late_stage(100) is None  # 0.45 s a step: 33 steps left
+    controller.clock.already = 50
+    assert re.fullmatch(r"--minutes 1 leaves about 4 steps for the late stage to compress from 2\.\d\dx to 4x "
+                        r"\(at 2\.50 s a step\): the target may be missed; give more --minutes or fewer "
+                        r"--early-steps", controller.short_late_stage(20))
+
+
+def test_a_target_ratio_is_reached_in_minutes(tmp_path, tokenizer, corpus):
+    path = compressed(tmp_path, tokenizer, ratio=2)
+    steps = 100_000  # more than six seconds hold: the time budget ends the run
+    options = TrainOptions(objective="mlm", data=str(corpus), minutes=0.1,
+                           **{**TARGET, "steps": steps, "early_steps": None, "save_steps": steps,
+                              "logging_steps": steps, "batch_size": 2, "seq_len": 16})
+    result = train(str(path), options, tmp_path / "out")
+    assert result.shortfall is None and result.steps < steps
+    assert 4.0 <= _dense_params(path) / count_params(comera_convert.from_pretrained(tmp_path / "out")) <= 4.0 * 1.02
+    history = json.loads((tmp_path / "out" / "comera_history.json").read_text())
+    switch = next(h for h in history if h["stage"] == "late")
+    assert switch["seconds"] >= 0.6 * 6 and history[-1]["seconds"] >= 6  # at two thirds of the six seconds
+    assert history[-1]["budget_ratio"] == pytest.approx(4.0, rel=0.02)
 
 
 def test_the_budget_closes_the_entries_the_loss_needs_least(tmp_path, tokenizer):

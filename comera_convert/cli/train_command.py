@@ -79,7 +79,8 @@ OPTION_NAMES = ["objective", "data", "steps", "minutes", "seq_len", "batch_size"
               help="Wall-time budget: stop when it is spent or at --steps, whichever comes first; the "
                    "learning rate decays over the first of the two.")
 @click.option("--target-ratio", type=float, default=None,
-              help="Whole-model ratio to reach by the end: ranks close by importance over the late stage.")
+              help="Whole-model ratio to reach by the end: ranks close by importance over the late stage "
+                   "(scheduled in steps, or with --minutes in the time spent).")
 @click.option("--seq-len", type=int, default=None, help="Tokens per packed block [default: 128].")
 @click.option("--per-device-train-batch-size", "--batch-size", "batch_size", type=int, default=None,
               help="Blocks per step and device [default: 8].")

@@ -161,9 +161,6 @@ class TrainOptions:
             if isinstance(self.minutes, bool) or not isinstance(self.minutes, (int, float)) \
                     or not math.isfinite(self.minutes) or self.minutes <= 0:
                 raise ConfigError(expected("minutes as a positive number", self.minutes))
-            if self.target_ratio is not None:
-                raise ConfigError("--minutes with --target-ratio: the late stage that reaches the ratio is "
-                                  "scheduled in steps; give --steps instead of --minutes")
         start = self.start_min_tokens
         if start is not None and (isinstance(start, bool) or not isinstance(start, int)
                                   or not 1 <= start <= self.seq_len):

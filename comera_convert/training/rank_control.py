@@ -35,6 +35,9 @@ EARLY, LATE = "early", "late"
 IMPORTANCE_DECAY = 0.85
 # A run reaches its target ratio when the model holds at most this much more than dense / target.
 TARGET_TOLERANCE = 0.02
+# Fewest late-stage steps a --minutes run is expected to have before it is warned about: the budget
+# falls over three quarters of them, and each closure wants a few steps for the cores to recover.
+MIN_LATE_STEPS = 20
 
 
 def gated_modules(model: nn.Module) -> list[tuple[str, TTModule]]:
@@ -78,6 +81,7 @@ class RankState:
     loss_ema: float | None = None
     ema_history: list[float] = field(default_factory=list)
     budget: int | None = None  # the late stage's scheduled TT size at the last step (--target-ratio)
+    switch_progress: float | None = None  # the run's progress (0 to 1) at the switch: --minutes schedules by it
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -107,6 +111,9 @@ class RankController:
         self.options = options
         self.dense_params = dense_params
         self.state = RankState()
+        # With --minutes the trainer hands its WallClock here: the stages and the budget then follow the
+        # run's progress in time as well as in steps, as the learning rate does (wall_clock.py).
+        self.clock = None
         # Open entries per gate. Closed is for good: an optimizer step's momentum must not reopen
         # an entry. A gate that starts at zero (a resumed, expanded checkpoint) starts closed.
         self.sync_open()
@@ -230,17 +237,47 @@ class RankController:
         flat = iter(lists)
         self.importance = [[torch.tensor(next(flat)) for _ in m.gates] for _, m in self.modules]
 
+    def timed(self) -> bool:
+        """Whether the run has a wall-time budget (--minutes)."""
+        return self.clock is not None and self.clock.budget is not None
+
+    def run_progress(self, step: int) -> float:
+        """The run's progress, 0 to 1: the share of ``steps`` taken, or with --minutes the larger of it
+        and the share of the time spent (the first to run out ends the run)."""
+        progress = min(1.0, step / self.options.steps)
+        return max(progress, self.clock.share_spent()) if self.timed() else progress
+
     def schedule_end(self) -> int:
         """The step at which the budget reaches the target."""
         switch = self.state.switch_step or 0
         return switch + max(1, math.ceil(SCHEDULE_SHARE * (self.options.steps - switch)))
 
+    def schedule_progress(self, step: int) -> float:
+        """How far the budget has fallen towards the target, 0 at the switch to 1 (and beyond) at the
+        schedule's end: in steps, or with --minutes in the run's progress."""
+        if not self.timed():
+            switch = self.state.switch_step
+            return (step - switch) / (self.schedule_end() - switch)
+        start = self.state.switch_progress or 0.0
+        return (self.run_progress(step) - start) / max(SCHEDULE_SHARE * (1.0 - start), 1e-9)
+
+    def short_late_stage(self, step: int) -> str | None:
+        """With --minutes and a target: one line when, at the pace of the steps so far, the time left
+        holds fewer than ``MIN_LATE_STEPS`` steps for the late stage; None otherwise."""
+        if not self.timed() or self.options.target_ratio is None or step < 1:
+            return None
+        per_step = self.clock.elapsed() / step
+        left = (self.clock.budget - self.clock.elapsed()) / max(per_step, 1e-9)
+        if left >= MIN_LATE_STEPS:
+            return None
+        return (f"--minutes {self.options.minutes:g} leaves about {left:.0f} steps for the late stage to compress "
+                f"from {self.ratio():.2f}x to {self.options.target_ratio:g}x (at {per_step:.2f} s a step): the target "
+                "may be missed; give more --minutes or fewer --early-steps")
+
     def budget_at(self, step: int) -> int | None:
         if self.state.stage != LATE or self.options.target_ratio is None:
             return None
-        switch, end = self.state.switch_step, self.schedule_end()
-        progress = (step - switch) / (end - switch)
-        return scheduled_size(self.state.size_at_switch, self.state.target_size, progress)
+        return scheduled_size(self.state.size_at_switch, self.state.target_size, self.schedule_progress(step))
 
     @torch.no_grad()
     def enforce_budget(self, step: int) -> int:
@@ -283,7 +320,11 @@ class RankController:
         reached = f"target ratio {target:g}x missed: reached {self.ratio():.2f}x"
         if self.state.stage != LATE:
             return f"{reached}, the run ended in the early stage (step {step}): lower --early-steps"
-        if step < self.schedule_end():
+        if self.timed() and self.schedule_progress(step) < 1:
+            return (f"{reached}, the --minutes budget ran out at step {step}, "
+                    f"{self.schedule_progress(step):.0%} of the way down its budget schedule: "
+                    "give more --minutes, or fewer --steps (the schedule follows whichever runs out first)")
+        if not self.timed() and step < self.schedule_end():
             return (f"{reached}, the run stopped at step {step} before its budget schedule's end "
                     f"(step {self.schedule_end()}): resume it (--resume) or train longer")
         return (f"{reached}: every bond is at its floor (a quarter of its starting rank); a lower "
@@ -301,10 +342,11 @@ class RankController:
     def should_switch(self, step: int) -> bool:
         if self.state.stage != EARLY:
             return False
-        if step >= self.options.early_steps:
-            # Not at the last step: a late stage would train nothing (distillation that keeps the
-            # size runs its early stage over every step).
-            return step < self.options.steps
+        early_share = self.options.early_steps / self.options.steps
+        if step >= self.options.early_steps or (self.timed() and self.clock.share_spent() >= early_share):
+            # Not at the last step nor with the time spent: a late stage would train nothing
+            # (distillation that keeps the size runs its early stage over every step).
+            return step < self.options.steps and not (self.timed() and self.clock.spent())
         history, window = self.state.ema_history, self.options.plateau_window
         if window and len(history) > window:
             gain = (history[0] - history[-1]) / max(abs(history[0]), 1e-12)
@@ -315,6 +357,7 @@ class RankController:
         """Enter the late stage: fix the target point (L0, S0)."""
         size = self.size()
         self.state.stage, self.state.switch_step, self.state.size_at_switch = LATE, step, size
+        self.state.switch_progress = self.run_progress(step)
         if self.options.target_ratio is not None:
             # The whole model must hold dense_params / target_ratio: the TT part gets what the rest
             # leaves (the gates counted at today's ranks, so the target is met, never missed by them).

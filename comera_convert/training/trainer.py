@@ -86,6 +86,7 @@ class ComeraTrainer(Trainer):
         self.teacher = teacher
         self.history: list[dict] = []
         self.clock = WallClock(comera_options.minutes)
+        controller.clock = self.clock  # --minutes: the stages and the size budget follow the time spent
         self.last_task_loss: float | None = None
         self.nan_streak = 0
         self.add_callback(RankCallback(self))
@@ -236,6 +237,9 @@ class RankCallback(TrainerCallback):
             controller.switch(state.global_step)
             logger.info("step %d: late stage, target size %d (now %d)", state.global_step,
                         controller.state.target_size, controller.state.size_at_switch)
+            short = controller.short_late_stage(state.global_step)
+            if short:
+                logger.warning(short)
         controller.enforce_budget(state.global_step)
         trainer.history.append({"step": state.global_step, "loss": trainer.last_task_loss,
                                 "seconds": round(trainer.clock.elapsed(), 3), **controller.measurements()})
