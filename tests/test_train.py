@@ -961,6 +961,26 @@ def _timed_controller(tmp_path, tokenizer, spent_seconds: float):
     return controller
 
 
+def test_a_target_beyond_a_quarter_of_each_rank_lowers_the_floors_just_enough(tmp_path, tokenizer):
+    from comera_convert.training.rank_control import RankController
+
+    path = compressed(tmp_path, tokenizer, ratio=2)
+    model, dense = comera_convert.from_pretrained(path), _dense_params(path)
+    options = TrainOptions(steps=100).for_objective("mlm")
+    ceilings = {}
+    for share in (0.25, 0.125):
+        probe = RankController(model, options, dense)
+        probe.kept_share, probe.floors = share, probe.floors_at(share)
+        ceilings[share] = dense / probe.floor_params()
+    assert ceilings[0.25] < ceilings[0.125]
+    between = (ceilings[0.25] + ceilings[0.125]) / 2
+    for target, share in ((ceilings[0.25] * 0.99, 0.25), (between, 0.125)):
+        controller = RankController(model, TrainOptions(steps=100, target_ratio=target).for_objective("mlm"), dense)
+        assert controller.kept_share == share
+        ranks = [r for _, m in controller.modules for r in m.ranks]
+        assert [f for floors in controller.floors for f in floors] == [max(1, math.ceil(share * r)) for r in ranks]
+
+
 def test_with_minutes_the_stage_switch_and_the_budget_follow_the_time_spent(tmp_path, tokenizer):
     controller = _timed_controller(tmp_path, tokenizer, spent_seconds=30)
     assert not controller.should_switch(10)  # half the time, a hundredth of the steps: still early
@@ -1030,7 +1050,7 @@ def test_the_budget_closes_the_entries_the_loss_needs_least(tmp_path, tokenizer)
 @pytest.mark.parametrize("problem,expected", [
     ("at current", "target ratio 2 is not above the model's current ratio 2.0"),
     ("beyond floors", r"target ratio 1000 is beyond what the smallest ranks allow: \d+\.\d\dx with every bond at "
-                      r"its floor \(a quarter of its rank now\)"),
+                      r"its floor \(rank 1; layers outside the gates' reach keep their size\); ask for at most"),
     ("no late stage", "needs a late stage to compress in: 16 steps with 16 early steps leave none")])
 def test_target_ratios_that_cannot_be_headed_for_are_refused(tmp_path, tokenizer, corpus, problem, expected):
     path = compressed(tmp_path, tokenizer, ratio=2)

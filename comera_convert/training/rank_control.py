@@ -19,6 +19,7 @@ held-out cosine 0.658 against 0.668.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -28,7 +29,10 @@ from torch import nn
 from ..conversion import count_params
 from ..errors import ConfigError
 from ..layers import TTModule
-from .budget import SCHEDULE_SHARE, ModuleBonds, bond_floor, choose_closures, scheduled_size
+from .budget import (FALLBACK_KEPT_SHARES, MIN_KEPT_SHARE, SCHEDULE_SHARE, ModuleBonds, bond_floor, choose_closures,
+                     scheduled_size)
+
+logger = logging.getLogger("comera_convert.training")
 
 EARLY, LATE = "early", "late"
 # Smoothing of the importance scores across steps (AdaLoRA's 0.85): one batch's gradient is noisy.
@@ -118,9 +122,12 @@ class RankController:
         # an entry. A gate that starts at zero (a resumed, expanded checkpoint) starts closed.
         self.sync_open()
         self.importance = [[torch.zeros(len(g)) for g in m.gates] for _, m in self.modules]
-        # The fewest entries each bond keeps under the budget, from its rank as training starts.
-        self.floors = [[bond_floor(r, options.rank_multiple) for r in m.ranks] for _, m in self.modules]
+        # The fewest entries each bond keeps under the budget, from its rank as training starts: a
+        # quarter, or less where the target needs it.
+        self.kept_share = MIN_KEPT_SHARE
+        self.floors = self.floors_at(MIN_KEPT_SHARE)
         if options.target_ratio is not None:
+            self.choose_floors(options.target_ratio)
             self.check_target(options.target_ratio)
 
     def sync_open(self) -> None:
@@ -154,6 +161,21 @@ class RankController:
                 record["budget_ratio"] = self.dense_params / max(params - size + self.state.budget, 1)
         return record
 
+    def floors_at(self, share: float) -> list[list[int]]:
+        """Each bond's floor when bonds keep ``share`` of their rank now."""
+        return [[bond_floor(r, self.options.rank_multiple, share) for r in m.ranks] for _, m in self.modules]
+
+    def choose_floors(self, target_ratio: float) -> None:
+        """The largest kept share (a quarter, then ``FALLBACK_KEPT_SHARES``) whose floors let the
+        model reach ``target_ratio``; the last one tried where none does (check_target then says so)."""
+        for share in (MIN_KEPT_SHARE, *FALLBACK_KEPT_SHARES):
+            self.kept_share, self.floors = share, self.floors_at(share)
+            if self.dense_params / self.floor_params() >= target_ratio:
+                if share < MIN_KEPT_SHARE:
+                    logger.info("target ratio %g: bonds may close down to %s (a quarter of each rank would "
+                                "stop short)", target_ratio, self.floor_description())
+                return
+
     def floor_params(self) -> int:
         """The whole model's parameter count with every bond closed down to its floor."""
         total = self.model_params()
@@ -172,8 +194,13 @@ class RankController:
         ceiling = self.dense_params / self.floor_params()
         if target_ratio > ceiling:
             raise ConfigError(f"target ratio {target_ratio:g} is beyond what the smallest ranks allow: "
-                              f"{ceiling:.2f}x with every bond at its floor (a quarter of its rank now); "
-                              f"ask for at most {ceiling:.2f}, or convert at a higher --ratio first")
+                              f"{ceiling:.2f}x with every bond at its floor ({self.floor_description()}; "
+                              f"layers outside the gates' reach keep their size); ask for at most "
+                              f"{ceiling:.2f}, or convert at a higher --ratio first")
+
+    def floor_description(self) -> str:
+        """The floor in words: rank 1, or the share of each bond's rank when training started."""
+        return "rank 1" if self.kept_share == 0 else f"{self.kept_share:g} of its starting rank"
 
     def ranks(self) -> dict[str, tuple[int, ...]]:
         return {name: module.ranks for name, module in self.modules}
@@ -327,7 +354,7 @@ class RankController:
         if not self.timed() and step < self.schedule_end():
             return (f"{reached}, the run stopped at step {step} before its budget schedule's end "
                     f"(step {self.schedule_end()}): resume it (--resume) or train longer")
-        return (f"{reached}: every bond is at its floor (a quarter of its starting rank); a lower "
+        return (f"{reached}: every bond is at its floor ({self.floor_description()}); a lower "
                 "--target-ratio or --rank-multiple, or a conversion at a higher --ratio, would reach it")
 
     # -- the staged objective -----------------------------------------------------------------------
