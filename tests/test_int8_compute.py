@@ -64,6 +64,15 @@ def test_use_int8_compute_swaps_a_converted_model_and_keeps_its_outputs():
     assert rel_err(got, expected) < 2 * INT8_TOLERANCE  # rounding errors of every layer add up
 
 
+def test_a_swapped_model_is_not_saved_without_its_weights(tmp_path):
+    model = build("bert")
+    comera_convert.convert(model, ratio=3)
+    use_int8_compute(model)
+    with pytest.raises(ConfigError, match=r"encoder\.layer\.0\..* computes in int8 and is not saved: save the float"):
+        model.save_pretrained(tmp_path / "int8")
+    assert not (tmp_path / "int8" / "model.safetensors").exists()
+
+
 def test_ttm_layers_stay_float_and_are_named():
     model = nn.Sequential(TTLinear(64, 64, rank=8, layout="ttm", d=2), nn.Linear(64, 8))
     swap = use_int8_compute(model, dense_layers=False)

@@ -64,6 +64,12 @@ class Int8Linear(nn.Module):
             y = int8_linear(y, packed)
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # The packed weights are no tensors a state dict holds: saving would write a model without
+        # these layers' weights, which would load silently wrong.
+        raise ConfigError(f"{prefix.rstrip('.') or 'the model'} computes in int8 and is not saved: save the "
+                          "float model, and call use_int8_compute when serving")
+
     def extra_repr(self) -> str:
         """Shapes and the GEMMs the layer runs, for ``print(model)``."""
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 GEMMs ({self.kind})"
