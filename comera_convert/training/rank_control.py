@@ -194,9 +194,15 @@ class RankController:
         ceiling = self.dense_params / self.floor_params()
         if target_ratio > ceiling:
             raise ConfigError(f"target ratio {target_ratio:g} is beyond what the smallest ranks allow: "
-                              f"{ceiling:.2f}x with every bond at its floor ({self.floor_description()}; "
-                              f"layers outside the gates' reach keep their size); ask for at most "
-                              f"{ceiling:.2f}, or convert at a higher --ratio first")
+                              f"{ceiling:.2f}x with every bond at its floor ({self.floor_description()}), "
+                              f"and {self.ungated_params() / 1e6:.2f} M parameters outside the gates (layers "
+                              f"kept dense, codebook tables); ask for at most {ceiling:.2f}, or convert at a "
+                              "higher --ratio first")
+
+    def ungated_params(self) -> int:
+        """Parameters no gate can shrink: everything but the gated modules' cores and gates."""
+        gated = sum(module_size(m) + sum(m.ranks) for _, m in self.modules)
+        return self.model_params() - gated
 
     def floor_description(self) -> str:
         """The floor in words: rank 1, or the share of each bond's rank when training started."""
