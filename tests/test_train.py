@@ -342,6 +342,17 @@ def test_bf16_asked_for_on_a_cpu_that_emulates_it_is_warned_about(monkeypatch, b
         assert warning.startswith("bf16 on this CPU is emulated") and "--no-bf16" in warning
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_is_on_by_default_only_where_the_cpu_multiplies_it_natively(monkeypatch, tmp_path, native):
+    from comera_convert.training import run
+
+    monkeypatch.setattr(run, "native_bf16_cpu", lambda: native)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = run.training_arguments(TrainOptions().for_objective("mlm"), tmp_path)
+    assert args.bf16 is native
+    assert run.training_arguments(TrainOptions(bf16=False).for_objective("mlm"), tmp_path).bf16 is False
+
+
 class LearningRates(TrainerCallback):
     """The cores' learning rate after every optimizer step."""
 

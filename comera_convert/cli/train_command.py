@@ -120,7 +120,7 @@ OPTION_NAMES = ["objective", "data", "steps", "minutes", "seq_len", "batch_size"
 @click.option("--gradient-checkpointing", is_flag=True, default=None,
               help="Recompute each layer's activations in backward: less memory, more compute.")
 @click.option("--seed", type=int, default=None)
-@click.option("--bf16/--no-bf16", default=None, help="bf16 autocast [default: on with CUDA].")
+@click.option("--bf16/--no-bf16", default=None, help="bf16 autocast [default: on with CUDA, or on a CPU with AVX512-BF16 or AMX].")
 @click.option("--compile", is_flag=True, default=None, help="torch.compile with CUDA graphs (fixed shapes).")
 @click.option("--fsdp", is_flag=True, default=None,
               help="Shard parameters, gradients and optimizer state across the workers (FSDP2; under torchrun).")

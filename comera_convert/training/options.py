@@ -123,7 +123,7 @@ class TrainOptions:
     eval_steps: int | None = None
     seed: int = 0
     max_nan_steps: int = 5  # consecutive non-finite losses tolerated (each step skipped) before stopping
-    bf16: bool | None = None  # None = on when CUDA is available
+    bf16: bool | None = None  # None = on with CUDA or a CPU with native bf16 (run.default_bf16)
     compile: bool = False  # torch.compile with CUDA graphs ("reduce-overhead") for the model
     # Shard the parameters, gradients and AdamW's state across the workers of a torchrun run (FSDP2);
     # the rank gates stay whole on each. Off: DDP under torchrun, every worker holds everything.

@@ -162,7 +162,7 @@ def training_arguments(options: TrainOptions, output_dir: Path, **overrides):
 
     options.require_resolved("training_arguments")
     cuda = torch.cuda.is_available()
-    bf16 = options.bf16 if options.bf16 is not None else cuda
+    bf16 = options.bf16 if options.bf16 is not None else default_bf16(cuda)
     kwargs = dict(
         output_dir=str(output_dir), max_steps=options.steps, per_device_train_batch_size=options.batch_size,
         gradient_accumulation_steps=options.gradient_accumulation_steps, logging_steps=options.logging_steps,
@@ -189,6 +189,13 @@ def native_bf16_cpu() -> bool:
     in the same minutes (a bf16 GEMM of its shapes runs 2.5x faster, the teacher's forward 1.6x);
     elsewhere bfloat16 is emulated and slower than float32."""
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def default_bf16(cuda: bool) -> bool:
+    """bf16 autocast where it trains faster than float32: on CUDA, and on a CPU that multiplies
+    bfloat16 natively (an emulating CPU took 43 steps of the MiniLM distillation recipe in six
+    minutes where float32 takes about 900)."""
+    return cuda or native_bf16_cpu()
 
 
 def bf16_warning(options: TrainOptions, cuda: bool) -> str | None:
