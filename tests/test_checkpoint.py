@@ -246,6 +246,24 @@ def test_an_interrupted_save_leaves_nothing_half_written(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_saving_over_a_checkpoint_with_folders_replaces_them_whole(tmp_path):
+    """A sentence model's checkpoint holds folders (1_Pooling): saving over it again (a training
+    run's --overwrite) replaces each folder with the new one, where a rename onto it fails."""
+    from comera_convert.hf.saving import atomic_directory
+
+    out = tmp_path / "out"
+    (out / "1_Pooling").mkdir(parents=True)
+    (out / "1_Pooling" / "stale.json").write_text("old")
+    (out / "kept.txt").write_text("kept")
+    with atomic_directory(out, replace_dir=False) as tmp:
+        (tmp / "1_Pooling").mkdir()
+        (tmp / "1_Pooling" / "config.json").write_text("new")
+        (tmp / "model.safetensors").write_text("weights")
+    assert sorted(p.name for p in (out / "1_Pooling").iterdir()) == ["config.json"]
+    assert (out / "kept.txt").read_text() == "kept" and (out / "model.safetensors").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary folder left
+
+
 def test_reordered_embedding_round_trips_and_needs_format_2(tmp_path):
     """A calibrated conversion holds the vocabulary frequent-first; the checkpoint records it (format
     version 2, which older readers refuse instead of looking up the wrong rows) and loads back equal."""

@@ -145,8 +145,10 @@ def _move_into_place(tmp: Path, out: Path, replace_dir: bool) -> None:
         return
     for item in tmp.iterdir():
         target = out / item.name
-        if target.is_dir() and not item.is_dir():
-            shutil.rmtree(target)
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)  # a folder (a sentence model's 1_Pooling) is replaced whole: rename needs it gone
+        elif item.is_dir() and target.exists():
+            target.unlink()
         os.replace(item, target)
     tmp.rmdir()
 
