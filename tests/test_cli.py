@@ -334,6 +334,7 @@ def test_a_compensating_conversion_reads_as_many_sequences_as_the_model_is_allow
     assert "factorized layers cut" in compensated.output
 
 
+@pytest.mark.slow  # two conversions of the tiny model, one calibrated on the built-in mix
 def test_default_calibration_is_the_mix_and_no_calibration_is_plain(dense_dir, tmp_path):
     with_minilm_tokenizer(dense_dir)
     # This model is nearly all word table: at --ratio 2 the codebook alone makes the cut, so its

@@ -117,6 +117,7 @@ def test_an_integer_checkpoint_loads_back_as_the_model_that_was_saved(case, dtyp
     assert (tmp_path / "model.safetensors").stat().st_size < 0.6 * (bigger / "model.safetensors").stat().st_size
 
 
+@pytest.mark.slow  # a whole conversion twice, streamed and in memory
 def test_a_streamed_conversion_writes_the_same_integers(tmp_path):
     from .test_streaming import _with_tokenizer
 

@@ -105,6 +105,7 @@ def test_a_failed_streamed_conversion_leaves_no_spool_and_no_output(tmp_path, mo
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dense"]
 
 
+@pytest.mark.slow  # a fresh process (imports) stopped mid-conversion
 def test_a_conversion_stopped_by_sigterm_removes_its_spool(tmp_path):
     """kill, a job scheduler's stop: the command exits as on Ctrl-C, leaving nothing behind (by
     default Python dies on SIGTERM without unwinding, and the hidden spool stayed)."""
