@@ -15,7 +15,7 @@ ENDS=${ENDS:-"lowest 5.3 newest"}
 # ways, saving, carried files, report, eval, train and decompress from the CLI, the real MiniLM.
 INTEGRATION=(tests/test_compat.py tests/test_checkpoint.py tests/test_convert.py tests/test_serving.py
              tests/test_carry.py tests/test_streaming.py tests/test_cli.py tests/test_failures.py
-             tests/test_minilm.py)
+             tests/test_minilm.py tests/test_int8_compute.py)
 
 declared() {  # the requirement pyproject.toml declares for package $1, e.g. "torch>=2.4,<2.15"
     python -c 'import sys; from comera_convert.cli.failures import supported_ranges

@@ -74,28 +74,28 @@ def serving_case(checkpoint: str, reference_name: str | None, pair_files, texts:
     from ..retrieval import held_out_pairs, kept, model_retrieval, read_pairs
 
     progress = progress or (lambda message: None)
-    pair = load_compared(checkpoint, reference_name, "comera bench", progress)
-    if pair.kind == "clm":
+    compared = load_compared(checkpoint, reference_name, "comera bench", progress)
+    if compared.kind == "clm":
         from ..errors import ConfigError
 
         raise ConfigError("--checkpoint measures sentence embedding: pass an encoder, not a causal LM")
     progress("int8 copies of the dense and compressed models")
-    models = {DENSE: pair.reference, DENSE_INT8: quantized_dense(pair.reference), OURS: pair.compressed,
-              OURS_INT8: int8_compute_copy(pair.compressed)}
+    models = {DENSE: compared.reference, DENSE_INT8: quantized_dense(compared.reference), OURS: compared.compressed,
+              OURS_INT8: int8_compute_copy(compared.compressed)}
     domains = ({_domain_name(file): read_pairs(file, texts) for file in pair_files} if pair_files
                else {"english": held_out_pairs("english", texts)})
     documents = interleaved([[document for _, document in pairs] for pairs in domains.values()])[:texts]
-    batches = length_sorted_batches(pair.tokenizer, documents)
+    batches = length_sorted_batches(compared.tokenizer, documents)
     progress(f"timing {len(documents)} texts, {repeats} rounds of {len(models)} models")
     seconds = timed_rounds(models, batches, repeats)
     quality = {}
     for index, (domain, pairs) in enumerate(domains.items()):
         progress(f"retrieval on {domain} ({index + 1}/{len(domains)})")
-        scores = {name: model_retrieval(model, pair.tokenizer, pairs, SEQ_LEN, pair.pooling)
+        scores = {name: model_retrieval(model, compared.tokenizer, pairs, SEQ_LEN, compared.pooling)
                   for name, model in models.items()}
         quality[domain] = {name: kept(score, scores[DENSE])["recall_kept"] for name, score in scores.items()}
     tokens = sum(int(batch["attention_mask"].sum()) for batch in batches)
-    shape = f"{pair.source}, {len(documents)} texts ({tokens / len(documents):.0f} tokens avg), batch {BATCH}"
+    shape = f"{compared.source}, {len(documents)} texts ({tokens / len(documents):.0f} tokens avg), batch {BATCH}"
     return [{"case": "inference", "method": name, "device": "cpu", "dtype": "float32", "shape": shape,
              "sentences_per_s": round(len(documents) / seconds[name], 1),
              "speed_vs_dense": round(seconds[DENSE] / seconds[name], 2),

@@ -13,8 +13,8 @@ from .console import console, echo_json, progress_display
 
 COLUMNS = ("method", "shape", "tokens", "ranks", "params_ratio", "flop_ratio", "speedup", "speedup_per_flop_ratio",
            "graph_speedup", "graph_speedup_per_flop_ratio",
-           "ms", "seconds", "tokens_per_s", "sentences_per_s", "peak_mb", "speed_vs_dense", "memory_vs_dense", "speed_vs_galore",
-           "memory_vs_galore", "time_vs_load_save", "recall_kept", "error")
+           "ms", "seconds", "tokens_per_s", "sentences_per_s", "peak_mb", "speed_vs_dense", "memory_vs_dense",
+           "speed_vs_galore", "memory_vs_galore", "time_vs_load_save", "recall_kept", "error")
 
 
 @main.command()
