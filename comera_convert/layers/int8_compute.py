@@ -18,7 +18,7 @@ from ..errors import ConfigError, expected
 from ..integer.compute import balance_bond, int8_engine, int8_linear, pack_int8
 from ..tt.contract import tt_halves
 from .swap import set_submodule
-from .tt_linear import TTLinear, dense_weight_of
+from .tt_linear import TTLinear, dense_weight_of, is_dense_linear
 
 
 class Int8Linear(nn.Module):
@@ -101,11 +101,8 @@ def use_int8_compute(model: nn.Module, dense_layers: bool = True) -> Int8Swap:
                 continue
             set_submodule(model, name, Int8Linear.from_tt(module))
             swap.low_rank += 1
-        elif dense_layers and _is_dense_linear(module):
+        elif dense_layers and is_dense_linear(module):
             set_submodule(model, name, Int8Linear.from_linear(module))
             swap.dense += 1
     return swap
 
-
-def _is_dense_linear(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) or (type(module).__name__ == "Conv1D" and hasattr(module, "nf"))

@@ -19,11 +19,16 @@ DEFAULT_ORDER = 3
 DEFAULT_RANK = 30
 
 
+def is_dense_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is an nn.Linear or transformers' Conv1D (GPT-2's transposed linear)."""
+    return isinstance(module, nn.Linear) or (type(module).__name__ == "Conv1D" and hasattr(module, "nf"))
+
+
 def dense_weight_of(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(weight as out x in, bias) of an nn.Linear or of transformers' Conv1D (a transposed linear)."""
     if isinstance(module, nn.Linear):
         return module.weight, module.bias
-    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+    if is_dense_linear(module):
         return module.weight.t(), module.bias
     raise TypeError(expected("an nn.Linear or transformers Conv1D", type(module).__name__))
 
