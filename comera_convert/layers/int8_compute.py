@@ -105,4 +105,3 @@ def use_int8_compute(model: nn.Module, dense_layers: bool = True) -> Int8Swap:
             set_submodule(model, name, Int8Linear.from_linear(module))
             swap.dense += 1
     return swap
-
