@@ -242,9 +242,9 @@ def evaluate(compressed_name: str, reference_name: str | None = None, data=None,
     every model's size in bytes (``sizes``)."""
     extra = [data] if isinstance(data, str) else list(data or [])
     sources = list(dict.fromkeys([*DEFAULT_DOMAINS, *extra]))
-    pair = load_compared(compressed_name, reference_name, "comera eval", progress)
-    compressed, reference, tokenizer, kind = pair.compressed, pair.reference, pair.tokenizer, pair.kind
-    path, config, source = pair.path, pair.config, pair.source
+    compared = load_compared(compressed_name, reference_name, "comera eval", progress)
+    compressed, reference, tokenizer = compared.compressed, compared.reference, compared.tokenizer
+    kind, path, config, source = compared.kind, compared.path, compared.config, compared.source
     pair_files = [pairs] if isinstance(pairs, (str, Path)) else list(pairs or [])
     if pair_files and kind == "clm":
         raise ConfigError("--pairs scores retrieval by sentence embeddings, which causal LMs are not "
@@ -254,12 +254,12 @@ def evaluate(compressed_name: str, reference_name: str | None = None, data=None,
     reach = texts * (PASSAGES_PER_PAIR if kind != "clm" else 1)
     passages = {name: held_out_texts(name, reach) for name in sources}
     batches = {name: domain_batch(tokenizer, name, passages[name][:texts], seq_len) for name in sources}
-    pooling = pair.pooling
+    pooling = compared.pooling
     tasks = {}
     if kind != "clm":
         found = {name: pairs_from_texts(passages[name], texts) for name in sources}
         for file in pair_files:
-            name = _pair_domain_name(file, found)
+            name = pair_domain_name(file, found)
             found[name] = read_pairs(file, texts)
             batches[name] = domain_batch(tokenizer, name, [document for _, document in found[name]], seq_len)
         for index, (name, domain) in enumerate(found.items()):
@@ -310,7 +310,8 @@ def _peers(compressed, reference, path, source, config, tasks, per_domain, progr
     return {"baselines": results, "sizes": sizes, **({"notes": notes} if notes else {})}
 
 
-def _pair_domain_name(file, taken) -> str:
+def pair_domain_name(file, taken) -> str:
+    """A pair file's domain name: its stem, or its whole path where ``taken`` already holds the stem."""
     name = Path(file).stem
     return name if name not in taken else str(file)
 

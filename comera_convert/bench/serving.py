@@ -70,7 +70,7 @@ def serving_case(checkpoint: str, reference_name: str | None, pair_files, texts:
                  progress=None) -> list[dict]:
     """One row per method: sentences a second, speed against dense, and recall@1 kept per pair domain
     (each of ``pair_files``, else the built-in english corpus's held-out pairs)."""
-    from ..evaluation import load_compared
+    from ..evaluation import load_compared, pair_domain_name
     from ..retrieval import held_out_pairs, kept, model_retrieval, read_pairs
 
     progress = progress or (lambda message: None)
@@ -82,8 +82,10 @@ def serving_case(checkpoint: str, reference_name: str | None, pair_files, texts:
     progress("int8 copies of the dense and compressed models")
     models = {DENSE: compared.reference, DENSE_INT8: quantized_dense(compared.reference), OURS: compared.compressed,
               OURS_INT8: int8_compute_copy(compared.compressed)}
-    domains = ({_domain_name(file): read_pairs(file, texts) for file in pair_files} if pair_files
-               else {"english": held_out_pairs("english", texts)})
+    domains = {}
+    for file in pair_files:
+        domains[pair_domain_name(file, domains)] = read_pairs(file, texts)
+    domains = domains or {"english": held_out_pairs("english", texts)}
     documents = interleaved([[document for _, document in pairs] for pairs in domains.values()])[:texts]
     batches = length_sorted_batches(compared.tokenizer, documents)
     progress(f"timing {len(documents)} texts, {repeats} rounds of {len(models)} models")
@@ -106,9 +108,3 @@ def serving_case(checkpoint: str, reference_name: str | None, pair_files, texts:
 def interleaved(lists: list[list]) -> list:
     """The lists' items taken in turn (a1, b1, a2, b2, ...): a cut of it samples every list."""
     return [item for group in zip_longest(*lists) for item in group if item is not None]
-
-
-def _domain_name(file) -> str:
-    from pathlib import Path
-
-    return Path(file).stem

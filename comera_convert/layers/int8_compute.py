@@ -38,8 +38,7 @@ class Int8Linear(nn.Module):
             raise ConfigError(expected("a TTLinear of the tt layout (two GEMMs through its bond)", layer.spec.layout))
         with torch.no_grad():
             left, right = balance_bond(*tt_halves(layer.gated_cores(), layer.spec))
-            bias = None if layer.bias is None else layer.bias.float()
-            packed = [pack_int8(left.t().float()), pack_int8(right.t().float(), bias)]
+            packed = [pack_int8(left.t()), pack_int8(right.t(), layer.bias)]
         return cls(layer.in_features, layer.out_features, packed, f"rank {left.shape[1]}")
 
     @classmethod
@@ -47,7 +46,7 @@ class Int8Linear(nn.Module):
         """One int8 GEMM for an nn.Linear or Conv1D."""
         weight, bias = dense_weight_of(linear)
         with torch.no_grad():
-            packed = [pack_int8(weight.float(), None if bias is None else bias.float())]
+            packed = [pack_int8(weight, bias)]
         return cls(weight.shape[1], weight.shape[0], packed, "dense")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
