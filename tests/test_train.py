@@ -353,6 +353,19 @@ def test_bf16_is_on_by_default_only_where_the_cpu_multiplies_it_natively(monkeyp
     assert run.training_arguments(TrainOptions(bf16=False).for_objective("mlm"), tmp_path).bf16 is False
 
 
+@pytest.mark.parametrize("probes", [{}, {"_is_amx_tile_supported": lambda: True},
+                                    {"_is_avx512_bf16_supported": lambda: False, "_is_amx_tile_supported": lambda: False}])
+def test_native_bf16_is_read_from_the_probes_a_torch_has(monkeypatch, probes):
+    """torch 2.4 has neither probe: the CPU counts as emulating bf16 and the default stays float32."""
+    from comera_convert.training import run
+
+    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        monkeypatch.delattr(torch.cpu, probe, raising=False)
+    for probe, answer in probes.items():
+        monkeypatch.setattr(torch.cpu, probe, answer, raising=False)
+    assert run.native_bf16_cpu() is any(answer() for answer in probes.values())
+
+
 class LearningRates(TrainerCallback):
     """The cores' learning rate after every optimizer step."""
 

@@ -187,8 +187,10 @@ def native_bf16_cpu() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX tiles). There bf16 autocast
     trains faster than float32: the MiniLM --ratio 4 distillation on 2 cores takes 1.12x the steps
     in the same minutes (a bf16 GEMM of its shapes runs 2.5x faster, the teacher's forward 1.6x);
-    elsewhere bfloat16 is emulated and slower than float32."""
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    elsewhere bfloat16 is emulated and slower than float32. A torch too old to ask (2.4 has
+    neither probe) is taken as emulating: float32 is the safe default there."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
 
 
 def default_bf16(cuda: bool) -> bool:
