@@ -253,7 +253,7 @@ def test_train_help_names_follow_training_arguments():
     assert result.exit_code == 0
     for name in ("--max-steps", "--per-device-train-batch-size", "--gradient-accumulation-steps",
                  "--logging-steps", "--save-steps", "--seed", "--bf16", "--resume", "--target-ratio",
-                 "--rank-multiple", "--fsdp"):
+                 "--rank-multiple", "--fsdp", "--cut-ranks", "--no-cut-ranks"):
         assert name in result.output
 
 

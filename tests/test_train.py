@@ -18,7 +18,7 @@ from comera_convert.training import TrainOptions, train
 from comera_convert.training.rank_control import RankController, whole_multiples
 from comera_convert.text import Blocks
 from comera_convert.training.run import set_dropout, with_document_starts
-from comera_convert.training.trainer import fused_adamw_applies
+from comera_convert.training.trainer import STATE_FILE, fused_adamw_applies
 
 from .tiny_models import build
 
@@ -719,6 +719,11 @@ def test_resume_continues_exactly(tmp_path, tokenizer, corpus, target):
     options = TrainOptions(objective="mlm", data=str(corpus), **{**FAST, **extra})
     train(str(path), options, tmp_path / "straight")
     train(str(path), options, tmp_path / "resumed", callbacks=[StopAt(6)])  # "interrupted" after checkpoint-6
+    if target is not None:  # the run had cut closed ranks out before its checkpoint: resumed across a cut
+        saved = json.loads((tmp_path / "resumed" / "checkpoints" / "checkpoint-6" / STATE_FILE).read_text())
+        full = {name: list(m.bond_dims) for name, m in comera_convert.from_pretrained(path).named_modules()
+                if isinstance(m, comera_convert.TTModule) and m.gated}
+        assert saved["controller"]["cuts"] and saved["bond_dims"] != full
     train(str(path), options, tmp_path / "resumed", resume=True)
     assert_trained_alike(tmp_path / "straight", tmp_path / "resumed", atol=1e-5)
 
@@ -924,9 +929,12 @@ class OpenEntries(TrainerCallback):
     def __init__(self):
         self.steps = []
 
+        self.shapes = []
+
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        self.steps.append([g.detach() != 0 for m in model.modules()
-                           if isinstance(m, comera_convert.TTModule) for g in m.gates])
+        layers = [m for m in model.modules() if isinstance(m, comera_convert.TTModule) and m.gated]
+        self.steps.append([g.detach() != 0 for m in layers for g in m.gates])
+        self.shapes.append([tuple(m.bond_dims) for m in layers])
 
 
 def _dense_params(path) -> int:
@@ -947,7 +955,8 @@ def test_a_target_ratio_is_reached_by_the_end_and_closed_entries_stay_closed(tmp
     exported = _dense_params(path) / count_params(trained)
     assert exported == pytest.approx(result.ratio_after) and 4.0 <= exported <= 4.0 * 1.02
     for earlier, later in zip(watch.steps, watch.steps[1:]):
-        assert all(torch.equal(b & ~a, torch.zeros_like(a)) for a, b in zip(earlier, later))  # never reopened
+        for a, b in zip(earlier, later):  # never reopened: the same entries, or the open ones cut out
+            assert torch.equal(b & ~a, torch.zeros_like(a)) if a.shape == b.shape else b.numel() <= int(a.sum())
     history = json.loads((tmp_path / "out" / "comera_history.json").read_text())
     assert all(h["target_ratio"] == 4.0 for h in history)
     late = [h for h in history if h["stage"] == "late"]
@@ -955,6 +964,15 @@ def test_a_target_ratio_is_reached_by_the_end_and_closed_entries_stay_closed(tmp
     assert all(h["ratio"] >= h["budget_ratio"] * 0.999 for h in late)  # the size keeps to its budget
     record = json.loads((tmp_path / "out" / "comera_report.json").read_text())["extra"]["training"]
     assert record["target_ratio"] == 4.0 and record["target_reached"] is True
+    # The closed ranks were cut out while training, not only at the export: the model stored fewer
+    # parameters with every cut, and the last cut left what the export holds.
+    cuts = record["rank_cuts"]
+    assert cuts == result.rank_cuts and len(cuts) >= 2
+    assert all(c["params_after"] < c["params_before"] for c in cuts)
+    assert all(a["params_after"] >= b["params_before"] for a, b in zip(cuts, cuts[1:]))
+    assert all(c["step_seconds_before"] > 0 for c in cuts)
+    assert watch.shapes[0] != watch.shapes[-1] == [tuple(m.bond_dims) for m in trained.modules()
+                                                    if isinstance(m, comera_convert.TTModule) and m.gated]
     after = [m.bond_dims for m in trained.modules() if isinstance(m, comera_convert.TTModule)]
     changed = [a for dims_after, dims_before in zip(after, before)
                for a, b in zip(dims_after, dims_before) if a != b]
@@ -1034,13 +1052,16 @@ def test_with_minutes_too_short_for_the_late_stage_a_warning_says_so(tmp_path, t
 
 
 def test_a_target_ratio_is_reached_in_minutes(tmp_path, tokenizer, corpus):
+    """... here with the closed ranks left as masks while training (--no-cut-ranks): only the export cuts."""
     path = compressed(tmp_path, tokenizer, ratio=2)
     steps = 100_000  # more than six seconds hold: the time budget ends the run
-    options = TrainOptions(objective="mlm", data=str(corpus), minutes=0.1,
+    options = TrainOptions(objective="mlm", data=str(corpus), minutes=0.1, cut_ranks=False,
                            **{**TARGET, "steps": steps, "early_steps": None, "save_steps": steps,
                               "logging_steps": steps, "batch_size": 2, "seq_len": 16})
-    result = train(str(path), options, tmp_path / "out")
+    watch = OpenEntries()
+    result = train(str(path), options, tmp_path / "out", callbacks=[watch])
     assert result.shortfall is None and result.steps < steps
+    assert result.rank_cuts == [] and all(shapes == watch.shapes[0] for shapes in watch.shapes)
     assert 4.0 <= _dense_params(path) / count_params(comera_convert.from_pretrained(tmp_path / "out")) <= 4.0 * 1.02
     history = json.loads((tmp_path / "out" / "comera_history.json").read_text())
     switch = next(h for h in history if h["stage"] == "late")
@@ -1135,3 +1156,19 @@ def test_the_curve_leaves_the_users_matplotlib_backend_alone(tmp_path):
     assert done.returncode == 0, done.stderr[-1000:]
     assert done.stdout.strip() == "pdf"
     assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_cuts_step_times_are_the_mean_steps_either_side_of_it_as_far_as_the_run_reaches():
+    from comera_convert.training.rank_cuts import points_reached, step_times
+
+    # Steps 1-10 take 2 s each, steps 11-14 1 s each; a cut after step 10 and one after the last step.
+    seconds, total = {}, 0.0
+    for step in range(1, 15):
+        total += 2.0 if step <= 10 else 1.0
+        seconds[step] = total
+    history = [{"step": step, "seconds": value} for step, value in seconds.items()]
+    cuts = [{"step": 10, "params_before": 9, "params_after": 5}, {"step": 14, "params_before": 5, "params_after": 4}]
+    timed = step_times(history, cuts, window=20)
+    assert timed[0] == {**cuts[0], "step_seconds_before": 2.0, "step_seconds_after": 1.0}
+    assert timed[1]["step_seconds_before"] == pytest.approx((24 - 2) / 13) and timed[1]["step_seconds_after"] is None
+    assert [points_reached(p) for p in (None, 0.0, 0.3, 0.99, 1.0, 1.4)] == [0, 1, 2, 4, 5, 5]

@@ -236,3 +236,50 @@ def test_bf16_autocast_backward_outside_the_autocast_block(layout):
     low = [x.grad] + [p.grad for p in tt.parameters()]
     assert all(g.dtype == torch.float32 for g in low)
     assert all(rel_err(a, b) < 5e-2 for a, b in zip(low, reference))
+
+
+def _adamw_steps(layer, optimizer, x, steps: int, masks=None) -> None:
+    """``steps`` AdamW steps on the mean square of the layer's output; closed gate entries (``masks``)
+    are put back to zero after each, as the rank controller does."""
+    for _ in range(steps):
+        layer(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if masks is not None:
+            with torch.no_grad():
+                for gate, mask in zip(layer.gates, masks):
+                    gate.mul_(mask)
+                layer.zero_pruned_()
+
+
+def test_cutting_closed_ranks_while_training_keeps_the_layer_and_its_optimizer_stepping_alike():
+    """A layer cut to its open ranks mid-training (with AdamW's moments) trains on exactly as the
+    masked layer it was: same matrix after the cut and after more steps, same parameter objects."""
+    import copy
+
+    from comera_convert.training.rank_cuts import moments_cutter
+
+    torch.manual_seed(0)
+    cut = TTLinear.from_linear(nn.Linear(64, 48), rank=8, d=2)
+    with torch.no_grad():
+        cut.gates[0][[0, 3]] = 0.0
+        cut.gates[1][[1, 5, 6]] = 0.0
+        cut.zero_pruned_()
+    masks = [g.detach() != 0 for g in cut.gates]
+    masked = copy.deepcopy(cut)
+    x = torch.randn(16, 64)
+    optimizers = [torch.optim.AdamW(layer.parameters(), lr=1e-2, weight_decay=0.01) for layer in (masked, cut)]
+    _adamw_steps(masked, optimizers[0], x, 2, masks)
+    _adamw_steps(cut, optimizers[1], x, 2, masks)
+    parameters = [id(p) for p in cut.parameters()]
+
+    keep = cut.cut_to_open_ranks_(moments_cutter(optimizers[1]))
+    assert [k.tolist() for k in keep[:2]] == [[1, 2, 4, 5, 6, 7], [0, 2, 3, 4, 7]]
+    assert cut.bond_dims == cut.ranks == masked.ranks and cut.bond_dims != masked.bond_dims
+    assert [tuple(c.shape) for c in cut.cores] == cut.spec.core_shapes()
+    assert [id(p) for p in cut.parameters()] == parameters  # the optimizer still holds them
+    assert rel_err(cut.dense_matrix(), masked.dense_matrix()) < 1e-6
+    _adamw_steps(masked, optimizers[0], x, 3, masks)
+    _adamw_steps(cut, optimizers[1], x, 3)
+    assert rel_err(cut.dense_matrix(), masked.dense_matrix()) < 1e-5
+    assert rel_err(cut(x), masked(x)) < 1e-5

@@ -64,7 +64,7 @@ OPTION_NAMES = ["objective", "data", "steps", "minutes", "seq_len", "batch_size"
                 "lr_cores", "lr_gates", "lr_rest", "beta", "tau", "rank_multiple", "early_steps", "target_ratio",
                 "teacher", "distill_mode", "distill_states", "logging_steps", "save_steps", "seed", "warmup_steps",
                 "lr_scheduler_type", "dropout", "document_starts", "start_min_tokens", "gradient_checkpointing",
-                "bf16", "compile", "fsdp"]
+                "bf16", "compile", "fsdp", "cut_ranks"]
 
 
 @main.command()
@@ -124,6 +124,9 @@ OPTION_NAMES = ["objective", "data", "steps", "minutes", "seq_len", "batch_size"
 @click.option("--compile", is_flag=True, default=None, help="torch.compile with CUDA graphs (fixed shapes).")
 @click.option("--fsdp", is_flag=True, default=None,
               help="Shard parameters, gradients and optimizer state across the workers (FSDP2; under torchrun).")
+@click.option("--cut-ranks/--no-cut-ranks", default=None,
+              help="Cut closed ranks out of the cores while training, so steps get cheaper as ranks close "
+                   "[default: on; never under torchrun].")
 @click.option("--recipe", type=click.Path(dir_okay=False), default=None, help="A YAML training recipe.")
 @click.option("--out", type=click.Path(), required=True, help="Output directory (checkpoints go in out/checkpoints).")
 @click.option("--resume", is_flag=True, help="Resume from the last checkpoint in OUT/checkpoints.")
@@ -160,6 +163,9 @@ def train(model, recipe, out, resume, overwrite, as_json, max_shard_size, **valu
     printer.print(f"objective {result.objective}, {result.steps} steps: held-out loss "
                   f"{result.held_out_before:.4f} -> {result.held_out_after:.4f}; ratio "
                   f"{result.ratio_before:.2f}x -> {result.ratio_after:.2f}x{target}")
+    for cut in result.rank_cuts:
+        printer.print(f"step {cut['step']}: closed ranks cut out, {cut['params_before'] / 1e6:.2f} M -> "
+                      f"{cut['params_after'] / 1e6:.2f} M parameters stored; {seconds_per_step(cut)}")
     if result.cosine_after is not None:
         printer.print(f"held-out sentence-embedding cosine to the teacher {result.cosine_before:.3f} -> "
                       f"{result.cosine_after:.3f} (packed blocks; `comera eval {result.out}` for texts as written)")
@@ -167,3 +173,10 @@ def train(model, recipe, out, resume, overwrite, as_json, max_shard_size, **valu
         printer.print(f"held-out retrieval, share of the teacher's recall@1 kept ({result.task_pairs} pairs: a "
                       f"passage's first sentence against the rest) {result.task_before:.3f} -> {result.task_after:.3f}")
     printer.print(f"[green]wrote[/] {result.out} (curve: {result.out / 'training_curve.png'})")
+
+
+def seconds_per_step(cut: dict) -> str:
+    """A rank cut's mean step time before and after it, in words (a side the run has no steps of: n/a)."""
+    before, after = (cut[f"step_seconds_{side}"] for side in ("before", "after"))
+    shown = [f"{value:.3f} s" if value is not None else "n/a" for value in (before, after)]
+    return f"step time {shown[0]} -> {shown[1]}"

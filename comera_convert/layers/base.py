@@ -271,18 +271,33 @@ class TTModule(InferenceCache):
         keep = self.kept_indices(threshold)
         new_cores = []
         for k, core in enumerate(self.cores):
-            core = core.detach()
-            if k > 0:
-                core = core.index_select(0, keep[k - 1])
-            if k < len(self.cores) - 1:
-                core = core.index_select(core.dim() - 1, keep[k])
-                if fold:
-                    core = core * self.gates[k][keep[k]]
+            core = cut_core(core.detach(), k, keep)
+            if fold and k < len(self.cores) - 1:
+                core = core * self.gates[k][keep[k]]
             new_cores.append(core.contiguous())
         new_gates = [torch.ones_like(g[idx]) if fold else g.detach()[idx].clone()
                      for g, idx in zip(self.gates, keep)]
         self._replace_factors(new_cores, new_gates)
         return self.bond_dims
+
+    @torch.no_grad()
+    def cut_to_open_ranks_(self, on_cut=None) -> list[torch.Tensor]:
+        """Drop the closed bond indices in place, during training: each core and gate stays the same
+        ``nn.Parameter`` object, only smaller, so an optimizer holding it keeps stepping it (and a
+        step over the smaller cores is cheaper). Gate values are kept, not folded. ``on_cut(param,
+        cut)`` is called before each parameter shrinks, with the function that shrinks a tensor of
+        its shape the same way (an optimizer's moments go through it). Returns the kept indices per
+        bond (at least one each: ``kept_indices``)."""
+        keep = self.kept_indices()
+        cuts = [(core, lambda t, k=k: cut_core(t, k, keep)) for k, core in enumerate(self.cores)]
+        cuts += [(gate, lambda t, idx=idx: t.index_select(0, idx)) for gate, idx in zip(self.gates, keep)]
+        for param, cut in cuts:
+            if on_cut is not None:
+                on_cut(param, cut)
+            param.data = cut(param.data).contiguous()
+            param.grad = None
+        self.clear_cache()
+        return keep
 
     @torch.no_grad()
     def expand_(self, cores: list[torch.Tensor], gates: list[torch.Tensor], kept: list[list[int]]) -> None:
@@ -316,6 +331,16 @@ class TTModule(InferenceCache):
         s = self.spec
         return (f"layout={s.layout}, row_modes={s.row_modes}, col_modes={s.col_modes}, "
                 f"ranks={self.ranks}, gated={self.gated}")
+
+
+def cut_core(core: torch.Tensor, k: int, keep: list[torch.Tensor]) -> torch.Tensor:
+    """Core ``k`` (or a tensor of its shape) with only the ``keep`` indices of the bonds on either
+    side of it: its first axis is bond k-1, its last bond k (the last core has no bond on its right)."""
+    if k > 0:
+        core = core.index_select(0, keep[k - 1])
+    if k < len(keep):
+        core = core.index_select(core.dim() - 1, keep[k])
+    return core
 
 
 def _expand_axis(tensor: torch.Tensor, index: torch.Tensor, size: int, axis: int) -> torch.Tensor:

@@ -128,6 +128,10 @@ class TrainOptions:
     # Shard the parameters, gradients and AdamW's state across the workers of a torchrun run (FSDP2);
     # the rank gates stay whole on each. Off: DDP under torchrun, every worker holds everything.
     fsdp: bool = False
+    # Cut the closed ranks out of the cores, gates and AdamW's moments at the stage switch and at each
+    # quarter of the late stage (rank_cuts.py), so that steps get cheaper as ranks close; off, closed
+    # ranks stay masks until the export. Never under torchrun (DDP and FSDP keep their shapes).
+    cut_ranks: bool = True
     max_eval_blocks: int = 64
     version: int = 1
 
@@ -172,7 +176,7 @@ class TrainOptions:
             _check_share("dropout", self.dropout)
         if self.document_starts is not None:
             _check_share("document_starts", self.document_starts)
-        for name in ("gradient_checkpointing", "fsdp"):
+        for name in ("gradient_checkpointing", "fsdp", "cut_ranks"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(expected(f"{name} as true or false", getattr(self, name)))
         if not 0 < self.target_fraction <= 1:

@@ -86,6 +86,8 @@ class RankState:
     ema_history: list[float] = field(default_factory=list)
     budget: int | None = None  # the late stage's scheduled TT size at the last step (--target-ratio)
     switch_progress: float | None = None  # the run's progress (0 to 1) at the switch: --minutes schedules by it
+    cut_points: int = 0  # how many of rank_cuts.CUT_POINTS the run has passed (each cut or had nothing to cut)
+    cuts: list[dict] = field(default_factory=list)  # rank_cuts.RankCut records, in order
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -216,6 +218,25 @@ class RankController:
         gates = torch.cat([g.abs().reshape(-1) for _, m in self.modules for g in m.gates])
         open_entries = (gates.detach() > 0).sum().clamp_min(1)
         return gates.sum() / open_entries
+
+    def reindex(self, index: int, keep: list[torch.Tensor]) -> None:
+        """The per-entry records of gated module ``index`` after its bonds were cut to the ``keep``
+        indices (``rank_cuts.py``): the open masks and the importance scores of the entries kept."""
+        self.open[index] = [mask[idx.to(mask.device)] for mask, idx in zip(self.open[index], keep)]
+        self.importance[index] = [score[idx.to(score.device)] for score, idx in zip(self.importance[index], keep)]
+
+    def late_progress(self, step: int) -> float | None:
+        """How far the late stage has come, 0 at the switch to 1 at its end (with a target, the end of
+        the budget schedule); None in the early stage."""
+        if self.state.stage != LATE:
+            return None
+        if self.options.target_ratio is not None:
+            return self.schedule_progress(step)
+        if self.timed():
+            start = self.state.switch_progress or 0.0
+            return (self.run_progress(step) - start) / max(1.0 - start, 1e-9)
+        switch = self.state.switch_step
+        return (step - switch) / max(self.options.steps - switch, 1)
 
     # -- pruning --------------------------------------------------------------------------------------
     @torch.no_grad()

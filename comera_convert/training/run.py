@@ -29,6 +29,7 @@ from .objectives import (BlockCollator, pick_objective, require_same_depth, reso
                          task_loss)
 from .options import TrainOptions
 from .rank_control import RankController
+from .rank_cuts import step_times
 from .trainer import ComeraTrainer, truncated_copy
 
 logger = logging.getLogger("comera_convert.training")
@@ -64,6 +65,9 @@ class TrainResult:
     # One line each: what --objective auto picked, and why a --target-ratio was missed (None: reached).
     objective_note: str | None = None
     shortfall: str | None = None
+    # The closed ranks cut out while training (rank_cuts.py): step, parameters stored before and after,
+    # mean step seconds before and after.
+    rank_cuts: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "report"}
@@ -391,6 +395,7 @@ def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, 
     check_replicas_agree(session.controller)
     after = held_out.measure()
     result = _result(out, session, trainer.state.global_step, ratio_before, before, after, len(held_out.pairs))
+    result.rank_cuts = step_times(trainer.history, session.controller.state.cuts)
     if result.shortfall:
         logger.warning(result.shortfall)
     trained = session.model if sharding is None else sharding.full_model(session.model)
@@ -462,6 +467,8 @@ def _record(result: TrainResult, options: TrainOptions, cosines: bool) -> dict:
     if options.target_ratio is not None:
         record.update(target_ratio=options.target_ratio, ratio_reached=result.ratio_after,
                       target_reached=result.shortfall is None)
+    if result.rank_cuts:
+        record.update(rank_cuts=result.rank_cuts)
     if cosines:
         record.update(held_out_cosine_before=result.cosine_before, held_out_cosine_after=result.cosine_after)
     if result.task_pairs:

@@ -8,6 +8,9 @@ What it adds to Trainer:
   * checkpoints are compressed checkpoints truncated to the open ranks, with the kept indices
     in comera_train_state.json, so resuming scatters them back into the full-rank layers and the
     optimizer state (saved at full rank by Trainer) still fits;
+  * at the stage switch and at each quarter of the late stage, closed ranks are cut out of the
+    cores, gates and AdamW's moments (``rank_cuts.py``), so steps get cheaper as ranks close; the
+    checkpoints record each layer's bond sizes, so a run resumed after a cut is cut the same way;
   * non-finite losses skip their step with a warning and stop the run after a few in a row;
   * under --fsdp (``sharding``), checkpoints are cut from the parameters gathered on the main
     worker, and AdamW's state, the schedule and each worker's random state are saved beside them
@@ -31,6 +34,7 @@ from ..errors import ComeraError
 from ..layers import TTModule
 from .objectives import task_loss
 from .rank_control import RankController, RankState
+from .rank_cuts import cut_closed_ranks, points_reached
 from .wall_clock import WallClock, wall_time_scheduler
 
 logger = logging.getLogger("comera_convert.training")
@@ -89,6 +93,10 @@ class ComeraTrainer(Trainer):
         controller.clock = self.clock  # --minutes: the stages and the size budget follow the time spent
         self.last_task_loss: float | None = None
         self.nan_streak = 0
+        self.cuts_ranks = comera_options.cut_ranks and sharding is None and not distributed()
+        if comera_options.cut_ranks and not self.cuts_ranks:
+            logger.info("under torchrun closed ranks stay masks while training (DDP and FSDP keep their "
+                        "shapes); the export is cut to the open ranks")
         self.add_callback(RankCallback(self))
 
     # -- optimizer ------------------------------------------------------------------------------------
@@ -108,6 +116,17 @@ class ComeraTrainer(Trainer):
             self.lr_scheduler = wall_time_scheduler(optimizer or self.optimizer, self.clock, num_training_steps,
                                                     options.warmup_steps, options.lr_scheduler_type)
         return self.lr_scheduler
+
+    def cut_ranks_when_due(self, step: int) -> None:
+        """At each of rank_cuts.CUT_POINTS the late stage passes, cut the closed ranks out of the model."""
+        controller = self.controller
+        reached = points_reached(controller.late_progress(step))
+        if reached <= controller.state.cut_points:
+            return
+        controller.state.cut_points = reached
+        cut = cut_closed_ranks(controller, self.optimizer, step) if self.cuts_ranks else None
+        if cut is not None:
+            controller.state.cuts.append(cut.to_dict())
 
     # -- loss -------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -182,7 +201,8 @@ class ComeraTrainer(Trainer):
         save_compressed(export, output_dir, overwrite=True, integers=False)  # floats: --resume continues exactly
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
-        state = {"kept": kept, "controller": self.controller.state.to_dict(),
+        bond_dims = {name: list(module.bond_dims) for name, module in self.controller.modules}
+        state = {"kept": kept, "bond_dims": bond_dims, "controller": self.controller.state.to_dict(),
                  "importance": self.controller.importance_lists(), "history": self.history}
         write_text_atomic(Path(output_dir) / STATE_FILE, json.dumps(state))
 
@@ -197,15 +217,20 @@ class ComeraTrainer(Trainer):
 
 
 def load_truncated_checkpoint(model, checkpoint: str) -> None:
-    """Load a truncated training checkpoint into the full-rank model it was cut from."""
+    """Load a truncated training checkpoint into the model it was cut from: at full rank, or where
+    the run had cut its ranks (``rank_cuts.py``) at the bond sizes it had then, so that AdamW's
+    saved moments fit the parameters again."""
     state_path = Path(checkpoint) / STATE_FILE
     if not state_path.is_file():
         raise ComeraError(f"{checkpoint} has no {STATE_FILE}: it is not a `comera train` checkpoint")
-    kept = json.loads(state_path.read_text())["kept"]
+    saved = json.loads(state_path.read_text())
+    kept, bond_dims = saved["kept"], saved.get("bond_dims", {})
     tensors = load_file(str(Path(checkpoint) / "model.safetensors"))
     for name, module in model.named_modules():
         if name not in kept:
             continue
+        if name in bond_dims and tuple(bond_dims[name]) != module.bond_dims:
+            module.resize_bonds_(bond_dims[name])
         prefix = f"{name}."
         cores = [tensors.pop(f"{prefix}cores.{k}") for k in range(len(module.cores))]
         gates = [tensors.pop(f"{prefix}gates.{k}") for k in range(len(module.gates))]
@@ -243,6 +268,7 @@ class RankCallback(TrainerCallback):
         controller.enforce_budget(state.global_step)
         trainer.history.append({"step": state.global_step, "loss": trainer.last_task_loss,
                                 "seconds": round(trainer.clock.elapsed(), 3), **controller.measurements()})
+        trainer.cut_ranks_when_due(state.global_step)
         if trainer.clock.spent():
             control.should_training_stop = True  # --minutes: the time budget is spent
 
@@ -266,3 +292,9 @@ def fused_adamw_applies(groups: list[dict]) -> bool:
     """Whether torch's fused AdamW can step these parameter groups: all on one device of a kind it supports."""
     devices = {p.device for group in groups for p in group["params"]}
     return len(devices) == 1 and next(iter(devices)).type in FUSED_ADAMW_DEVICES
+
+
+def distributed() -> bool:
+    """Whether this process is one worker of several (torchrun)."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized() \
+        and torch.distributed.get_world_size() > 1
