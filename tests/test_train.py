@@ -50,9 +50,10 @@ def corpus(tmp_path):
 
 
 def compressed(tmp_path, tokenizer, case="bert-mlm", ratio=2.5, gates=True, name="tt", dtype=None,
-               word_embedding="tt"):
-    """A tiny compressed checkpoint with the MiniLM tokenizer. Its linears are too small to compress,
-    so the word table is kept TT by default: the rank adaptation under test needs TT layers."""
+               word_embedding="tt", rank=None):
+    """A tiny compressed checkpoint with the MiniLM tokenizer. Its linears are too small to compress
+    at a ratio, so the word table is kept TT by default: the rank adaptation under test needs TT
+    layers. With ``rank``, every layer is a low-rank pair of that rank instead (no ratio)."""
     from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
                               LlamaForCausalLM)
 
@@ -71,8 +72,9 @@ def compressed(tmp_path, tokenizer, case="bert-mlm", ratio=2.5, gates=True, name
                                            n_positions=64, bos_token_id=0, eos_token_id=0))
     source = tmp_path / f"{name}-dense"
     model.save_pretrained(source)
-    comera_convert.convert(model, ratio=ratio, gates=gates, source=str(source), dtype=dtype,
-                           word_embedding=word_embedding)
+    shape = dict(ratio=ratio) if rank is None else dict(rank=rank, d=1)
+    comera_convert.convert(model, gates=gates, source=str(source), dtype=dtype, word_embedding=word_embedding,
+                           **shape)
     path = tmp_path / name
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -1172,3 +1174,45 @@ def test_a_cuts_step_times_are_the_mean_steps_either_side_of_it_as_far_as_the_ru
     assert timed[0] == {**cuts[0], "step_seconds_before": 2.0, "step_seconds_after": 1.0}
     assert timed[1]["step_seconds_before"] == pytest.approx((24 - 2) / 13) and timed[1]["step_seconds_after"] is None
     assert [points_reached(p) for p in (None, 0.0, 0.3, 0.99, 1.0, 1.4)] == [0, 1, 2, 4, 5, 5]
+
+
+def test_reprojection_keeps_the_pair_and_orders_its_directions_by_their_inputs():
+    from comera_convert.training.reprojection import reproject_pair_
+
+    torch.manual_seed(0)
+    layer = comera_convert.TTLinear.from_linear(nn.Linear(48, 40), rank=12, d=1)
+    with torch.no_grad():
+        layer.gates[0].uniform_(0.2, 1.5)
+    x = torch.randn(300, 48) * torch.linspace(0.1, 2.0, 48)
+    before = layer(x)
+    sigma = reproject_pair_(layer, x.T @ x)
+    assert torch.allclose(layer(x), before, atol=1e-4) and torch.equal(layer.gates[0], torch.ones(12))
+    assert torch.all(sigma[:-1] >= sigma[1:])
+    # Each direction's share of the output on these inputs is sigma, and the directions are orthogonal there.
+    through = x @ layer.cores[0].reshape(48, 12)
+    assert torch.allclose(through.T @ through, torch.diag(sigma), atol=1e-3 * float(sigma[0]))
+    cores = [c.clone() for c in layer.cores]
+    assert reproject_pair_(layer, torch.full((48, 48), math.nan)) is None  # non-finite inputs: kept as trained
+    assert all(torch.equal(a, b) for a, b in zip(cores, layer.cores))
+
+
+def test_reprojection_at_each_rank_cut_reaches_the_target(tmp_path, tokenizer, corpus, monkeypatch):
+    from comera_convert.training import trainer as trainer_module
+
+    path = compressed(tmp_path, tokenizer, rank=16)
+    ratio = _dense_params(path) / count_params(comera_convert.from_pretrained(path))
+    calls = []
+    real = trainer_module.reproject
+    monkeypatch.setattr(trainer_module, "reproject", lambda *args: calls.append(real(*args)) or calls[-1])
+    options = TrainOptions(objective="mlm", data=str(corpus), reproject=True,
+                           **{**TARGET, "target_ratio": round(1.5 * ratio, 2)})
+    result = train(str(path), options, tmp_path / "out")
+    assert result.shortfall is None and len(calls) == 5 and all(done > 0 for done in calls)
+    trained = comera_convert.from_pretrained(tmp_path / "out")
+    assert all(torch.isfinite(p).all() for p in trained.parameters())
+
+
+@pytest.mark.parametrize("options", [dict(reproject=True), dict(reproject=True, target_ratio=4.0, cut_ranks=False)])
+def test_reprojection_without_a_target_or_without_cuts_is_refused(options):
+    with pytest.raises(ConfigError, match="--reproject orders the directions a --target-ratio budget closes"):
+        TrainOptions(**options)

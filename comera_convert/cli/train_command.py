@@ -64,7 +64,7 @@ OPTION_NAMES = ["objective", "data", "steps", "minutes", "seq_len", "batch_size"
                 "lr_cores", "lr_gates", "lr_rest", "beta", "tau", "rank_multiple", "early_steps", "target_ratio",
                 "teacher", "distill_mode", "distill_states", "logging_steps", "save_steps", "seed", "warmup_steps",
                 "lr_scheduler_type", "dropout", "document_starts", "start_min_tokens", "gradient_checkpointing",
-                "bf16", "compile", "fsdp", "cut_ranks"]
+                "bf16", "compile", "fsdp", "cut_ranks", "reproject"]
 
 
 @main.command()
@@ -127,6 +127,9 @@ OPTION_NAMES = ["objective", "data", "steps", "minutes", "seq_len", "batch_size"
 @click.option("--cut-ranks/--no-cut-ranks", default=None,
               help="Cut closed ranks out of the cores while training, so steps get cheaper as ranks close "
                    "[default: on; never under torchrun].")
+@click.option("--reproject/--no-reproject", default=None,
+              help="At each rank cut, rewrite the low-rank pairs in the basis their inputs order, so "
+                   "--target-ratio closes the directions that carry least [default: off].")
 @click.option("--recipe", type=click.Path(dir_okay=False), default=None, help="A YAML training recipe.")
 @click.option("--out", type=click.Path(), required=True, help="Output directory (checkpoints go in out/checkpoints).")
 @click.option("--resume", is_flag=True, help="Resume from the last checkpoint in OUT/checkpoints.")

@@ -4,6 +4,7 @@ options       TrainOptions: CoMERA's constants, validated (what recipes hold)
 rank_control  model size from the gates, its surrogate, pruning, the two stages
 budget        the late stage's size budget for --target-ratio
 rank_cuts     closed ranks cut out of the cores (and AdamW's moments) while training
+reprojection  --reproject: low-rank pairs rewritten in their inputs' ordered basis at each cut
 objectives    mlm, clm, distill: heads, collators and the task loss
 trainer       ComeraTrainer (optimizer groups, staged loss, truncated checkpoints, resume)
 fsdp          --fsdp: FSDP2 sharding with whole gates, the gathered twin for saving, sharded AdamW state

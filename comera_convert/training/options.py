@@ -132,6 +132,9 @@ class TrainOptions:
     # quarter of the late stage (rank_cuts.py), so that steps get cheaper as ranks close; off, closed
     # ranks stay masks until the export. Never under torchrun (DDP and FSDP keep their shapes).
     cut_ranks: bool = True
+    # At each rank cut, rewrite every gated low-rank pair in the basis its inputs order (whitened SVD
+    # of the trained pair, reprojection.py), so the budget closes the directions that carry least.
+    reproject: bool = False
     max_eval_blocks: int = 64
     version: int = 1
 
@@ -176,9 +179,12 @@ class TrainOptions:
             _check_share("dropout", self.dropout)
         if self.document_starts is not None:
             _check_share("document_starts", self.document_starts)
-        for name in ("gradient_checkpointing", "fsdp", "cut_ranks"):
+        for name in ("gradient_checkpointing", "fsdp", "cut_ranks", "reproject"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(expected(f"{name} as true or false", getattr(self, name)))
+        if self.reproject and (self.target_ratio is None or not self.cut_ranks):
+            raise ConfigError("--reproject orders the directions a --target-ratio budget closes, at the rank "
+                              "cuts: it needs --target-ratio and the cuts (drop --no-cut-ranks)")
         if not 0 < self.target_fraction <= 1:
             raise ConfigError(expected("target_fraction in (0, 1]", self.target_fraction))
         if self.target_ratio is not None and (not isinstance(self.target_ratio, (int, float))

@@ -35,6 +35,7 @@ from ..layers import TTModule
 from .objectives import task_loss
 from .rank_control import RankController, RankState
 from .rank_cuts import cut_closed_ranks, points_reached
+from .reprojection import GRAM_EVERY, GramRecorder, reproject
 from .wall_clock import WallClock, wall_time_scheduler
 
 logger = logging.getLogger("comera_convert.training")
@@ -97,6 +98,8 @@ class ComeraTrainer(Trainer):
         if comera_options.cut_ranks and not self.cuts_ranks:
             logger.info("under torchrun closed ranks stay masks while training (DDP and FSDP keep their "
                         "shapes); the export is cut to the open ranks")
+        # --reproject: the gated pairs' input Gram matrices, from one step in GRAM_EVERY.
+        self.grams = GramRecorder(controller.modules) if comera_options.reproject and self.cuts_ranks else None
         self.add_callback(RankCallback(self))
 
     # -- optimizer ------------------------------------------------------------------------------------
@@ -127,9 +130,13 @@ class ComeraTrainer(Trainer):
         cut = cut_closed_ranks(controller, self.optimizer, step) if self.cuts_ranks else None
         if cut is not None:
             controller.state.cuts.append(cut.to_dict())
+        if self.grams is not None:
+            reproject(controller, self.optimizer, self.grams, step)
 
     # -- loss -------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.grams is not None:
+            self.grams.active = model.training and self.state.global_step % GRAM_EVERY == 0
         loss = task_loss(self.objective, model, inputs, self.teacher,
                          blockwise=self.comera_options.distill_mode == "block-wise",
                          states=self.comera_options.distill_states)

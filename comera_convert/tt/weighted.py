@@ -180,3 +180,22 @@ def whitened_ttm_cores(matrix: torch.Tensor, spec: TTSpec, gram: torch.Tensor) -
     padded_gram = gram.new_zeros(spec.padded_rows, spec.padded_rows)  # padding rows carry no input
     padded_gram[: spec.rows, : spec.rows] = gram
     return als_refine(padded(matrix.detach(), spec), cores, spec, padded_gram)  # in its compute dtype
+
+
+def whitened_pair(left: torch.Tensor, right: torch.Tensor, factor: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A low-rank pair ``left @ right`` (R x r, r x C) re-expressed as ``left' @ diag(sigma) @ right'``
+    over the same rank, its directions ordered by how much they carry of the output on the inputs:
+    with ``factor`` S (S^T S = G, the inputs' Gram), S left' has orthonormal columns, right' has
+    orthonormal rows and ``sigma`` descends, so dropping the last k directions is the best rank
+    r - k approximation of the pair on those inputs (SVD of S left right, through a QR of S left:
+    no R x C matrix). Float64 inside; returned in ``left``'s dtype."""
+    if factor.shape != (left.shape[0], left.shape[0]) or left.shape[1] != right.shape[0]:
+        raise ShapeError(expected(f"a {left.shape[0]} x {left.shape[0]} factor and a pair sharing its rank",
+                                  (tuple(factor.shape), tuple(left.shape), tuple(right.shape))))
+    dtype = left.dtype
+    factor, left, right = (t.detach().to(torch.float64) for t in (factor, left, right))
+    q, small = torch.linalg.qr(factor @ left)
+    u, sigma, vh = torch.linalg.svd(small @ right, full_matrices=False)
+    ordered_left = torch.linalg.solve_triangular(factor, q @ u, upper=True)
+    return ordered_left.to(dtype), sigma.to(dtype), vh.to(dtype)
