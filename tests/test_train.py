@@ -853,6 +853,7 @@ def ddp_run(tmp_path, tokenizer, corpus, case, objective):
     # --json: the main process prints the result, the other nothing
     ddp = json.loads(torchrun(*train_command(path, corpus, tmp_path / "ddp", objective)))
     assert ddp["target_ratio"] == 4 and ddp["shortfall"] is None and ddp["steps"] == 6
+    assert ddp["rank_cuts"] == []  # DDP's buckets keep their shapes: closed ranks stay masks until the export
     trained = comera_convert.from_pretrained(tmp_path / "ddp")
     # Both workers closed the same entries by the same importance (the end check compares them).
     assert 4.0 <= _dense_params(path) / count_params(trained) <= 4.0 * 1.02
@@ -1196,7 +1197,14 @@ def test_reprojection_keeps_the_pair_and_orders_its_directions_by_their_inputs()
     assert all(torch.equal(a, b) for a, b in zip(cores, layer.cores))
 
 
-def test_reprojection_at_each_rank_cut_reaches_the_target(tmp_path, tokenizer, corpus, monkeypatch):
+class TrainedModel(TrainerCallback):
+    """Keeps the model the Trainer trains."""
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.model = model
+
+
+def test_reprojection_at_the_switch_reaches_the_target(tmp_path, tokenizer, corpus, monkeypatch):
     from comera_convert.training import trainer as trainer_module
 
     path = compressed(tmp_path, tokenizer, rank=16)
@@ -1206,8 +1214,11 @@ def test_reprojection_at_each_rank_cut_reaches_the_target(tmp_path, tokenizer, c
     monkeypatch.setattr(trainer_module, "reproject", lambda *args: calls.append(real(*args)) or calls[-1])
     options = TrainOptions(objective="mlm", data=str(corpus), reproject=True,
                            **{**TARGET, "target_ratio": round(1.5 * ratio, 2)})
-    result = train(str(path), options, tmp_path / "out")
-    assert result.shortfall is None and len(calls) == 5 and all(done > 0 for done in calls)
+    watch = TrainedModel()
+    result = train(str(path), options, tmp_path / "out", callbacks=[watch])
+    assert result.shortfall is None and len(calls) == 1 and calls[0] > 0  # once, at the switch
+    layers = [m for m in watch.model.modules() if isinstance(m, comera_convert.TTLinear)]
+    assert layers and not any(m._forward_pre_hooks for m in layers)  # the Gram hooks are gone
     trained = comera_convert.from_pretrained(tmp_path / "out")
     assert all(torch.isfinite(p).all() for p in trained.parameters())
 

@@ -128,7 +128,7 @@ OPTION_NAMES = ["objective", "data", "steps", "minutes", "seq_len", "batch_size"
               help="Cut closed ranks out of the cores while training, so steps get cheaper as ranks close "
                    "[default: on; never under torchrun].")
 @click.option("--reproject/--no-reproject", default=None,
-              help="At each rank cut, rewrite the low-rank pairs in the basis their inputs order, so "
+              help="At the stage switch, rewrite the low-rank pairs in the basis their inputs order, so "
                    "--target-ratio closes the directions that carry least [default: off].")
 @click.option("--recipe", type=click.Path(dir_okay=False), default=None, help="A YAML training recipe.")
 @click.option("--out", type=click.Path(), required=True, help="Output directory (checkpoints go in out/checkpoints).")

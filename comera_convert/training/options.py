@@ -132,8 +132,8 @@ class TrainOptions:
     # quarter of the late stage (rank_cuts.py), so that steps get cheaper as ranks close; off, closed
     # ranks stay masks until the export. Never under torchrun (DDP and FSDP keep their shapes).
     cut_ranks: bool = True
-    # At each rank cut, rewrite every gated low-rank pair in the basis its inputs order (whitened SVD
-    # of the trained pair, reprojection.py), so the budget closes the directions that carry least.
+    # At the stage switch, rewrite every gated low-rank pair in the basis its inputs order (whitened
+    # SVD of the trained pair, reprojection.py), so the budget closes the directions that carry least.
     reproject: bool = False
     max_eval_blocks: int = 64
     version: int = 1

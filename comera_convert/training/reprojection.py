@@ -5,10 +5,10 @@ A gate closes one rank-1 slice of a layer. Right after conversion those slices a
 singular directions, ordered by how much of the layer's output they carry on real inputs; training
 rotates the factors, and closing entries of a trained pair then drops directions chosen at the
 start. Re-projection puts each gated low-rank pair (a ``TTLinear`` of one bond) back into that
-order on the inputs it sees now: at every rank cut (``rank_cuts.py``: the stage switch and each
-quarter of the late stage), the pair W = A diag(g) B is rewritten exactly as A' diag(sigma) B'
-(``tt.weighted.whitened_pair``), with the inputs' Gram matrix gathered from the training batches
-by forward hooks, one step in ``GRAM_EVERY``. The cores take sigma (square root on each side),
+order on the inputs it sees now, once, at the stage switch (the first rank cut, ``rank_cuts.py``;
+at every cut it measured worse: five restarts in a short late stage): the pair W = A diag(g) B
+is rewritten exactly as A' diag(sigma) B' (``tt.weighted.whitened_pair``), with the inputs' Gram
+matrix gathered from the training batches by forward hooks, one step in ``GRAM_EVERY``. The cores take sigma (square root on each side),
 the gates restart at 1, and AdamW's moments of the pair restart (its directions are new). The
 importance the budget closes entries by is redistributed over the new directions in proportion
 to sigma squared, the layer's total kept: the layers' shares of the budget stay as the gradients

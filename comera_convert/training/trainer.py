@@ -98,7 +98,7 @@ class ComeraTrainer(Trainer):
         if comera_options.cut_ranks and not self.cuts_ranks:
             logger.info("under torchrun closed ranks stay masks while training (DDP and FSDP keep their "
                         "shapes); the export is cut to the open ranks")
-        # --reproject: the gated pairs' input Gram matrices, from one step in GRAM_EVERY.
+        # --reproject: the gated pairs' input Gram matrices, from one step in GRAM_EVERY until the switch.
         self.grams = GramRecorder(controller.modules) if comera_options.reproject and self.cuts_ranks else None
         self.add_callback(RankCallback(self))
 
@@ -127,11 +127,15 @@ class ComeraTrainer(Trainer):
         if reached <= controller.state.cut_points:
             return
         controller.state.cut_points = reached
-        cut = cut_closed_ranks(controller, self.optimizer, step) if self.cuts_ranks else None
+        if not self.cuts_ranks or distributed():  # asked again: torchrun's group may start after __init__
+            return
+        cut = cut_closed_ranks(controller, self.optimizer, step)
         if cut is not None:
             controller.state.cuts.append(cut.to_dict())
-        if self.grams is not None:
+        if self.grams is not None:  # --reproject: once, at the switch (at every cut it measured worse)
             reproject(controller, self.optimizer, self.grams, step)
+            self.grams.remove()
+            self.grams = None
 
     # -- loss -------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -256,6 +260,10 @@ class RankCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         history = self.trainer.history  # a resumed run's, restored before training begins
         self.trainer.clock.begin(history[-1].get("seconds", 0.0) if history else 0.0)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.trainer.grams is not None:  # a run that ended before its switch
+            self.trainer.grams.remove()  # the trained model's forward passes record nothing more
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.trainer.controller.observe_gradients()
