@@ -713,6 +713,17 @@ def test_training_from_an_integer_checkpoint_exports_integers_and_checkpoints_fl
     assert all(m.integer_format is None for m in plain.modules() if isinstance(m, comera_convert.TTModule))
 
 
+def _resume_supported() -> bool:
+    from comera_convert.hf.compat import check_resume_support
+
+    try:
+        check_resume_support()
+    except ConfigError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _resume_supported(), reason="transformers reads optimizer states with torch.load only on torch >= 2.6")
 @pytest.mark.parametrize("target", [None, 4.0])
 def test_resume_continues_exactly(tmp_path, tokenizer, corpus, target):
     path = compressed(tmp_path, tokenizer, ratio=2)
@@ -1227,3 +1238,28 @@ def test_reprojection_at_the_switch_reaches_the_target(tmp_path, tokenizer, corp
 def test_reprojection_without_a_target_or_without_cuts_is_refused(options):
     with pytest.raises(ConfigError, match="--reproject orders the directions a --target-ratio budget closes"):
         TrainOptions(**options)
+
+
+def test_resume_on_a_torch_whose_optimizer_state_transformers_will_not_read_is_one_line(
+        tmp_path, tokenizer, corpus, monkeypatch):
+    import transformers.utils.import_utils as import_utils
+
+    def refuse():
+        raise ValueError("torch.load needs torch >= 2.6")
+
+    path = compressed(tmp_path, tokenizer)
+    options = TrainOptions(objective="mlm", data=str(corpus), **FAST)
+    train(str(path), options, tmp_path / "out", callbacks=[StopAt(6)])
+    monkeypatch.setattr(import_utils, "check_torch_load_is_safe", refuse)
+    with pytest.raises(ConfigError, match=rf"--resume needs torch 2.6 or later: .*this one is {re.escape(torch.__version__)}"):
+        train(str(path), options, tmp_path / "out", resume=True)
+
+
+def test_a_training_checkpoints_legacy_layer_norm_names_are_read_as_the_model_names_them():
+    """transformers 5.1 writes LayerNorm parameters as gamma / beta; the modules hold weight / bias."""
+    from comera_convert.training.trainer import with_current_names
+
+    model_keys = {"encoder.LayerNorm.weight", "encoder.LayerNorm.bias", "head.beta"}
+    saved = {"encoder.LayerNorm.gamma": 1, "encoder.LayerNorm.beta": 2, "head.beta": 3, "other.gamma": 4}
+    assert with_current_names(saved, model_keys) == {"encoder.LayerNorm.weight": 1, "encoder.LayerNorm.bias": 2,
+                                                      "head.beta": 3, "other.gamma": 4}

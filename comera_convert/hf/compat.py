@@ -193,3 +193,17 @@ def check_sharded_training() -> None:
             and hasattr(Trainer, "_sync_replicated_trainable_parameters")):
         raise ConfigError(f"--fsdp needs a transformers whose Trainer trains models sharded before it "
                           f"(5.19 and later have it); this one is {__version__}")
+
+
+def check_resume_support() -> None:
+    """Refuse --resume, in one line, where transformers will not read a checkpoint's optimizer state:
+    it loads it with torch.load, which it refuses on torch before 2.6 (CVE-2025-32434)."""
+    import torch
+    from transformers.utils.import_utils import check_torch_load_is_safe
+
+    try:
+        check_torch_load_is_safe()
+    except ValueError:
+        raise ConfigError(f"--resume needs torch 2.6 or later: transformers reads a checkpoint's optimizer state "
+                          f"with torch.load, which it refuses on older torch (CVE-2025-32434); this one is "
+                          f"{torch.__version__}") from None

@@ -419,6 +419,10 @@ def _resume_point(checkpoints: Path, resume: bool, fsdp: bool) -> str | None:
         held = "sharded across workers (--fsdp)" if sharded else "whole (a run without --fsdp)"
         raise ConfigError(f"--resume: {resume_from} holds its optimizer state {held}: resume it "
                           f"{'with' if sharded else 'without'} --fsdp")
+    if resume_from is not None:
+        from ..hf.compat import check_resume_support
+
+        check_resume_support()
     return resume_from
 
 

@@ -246,9 +246,26 @@ def load_truncated_checkpoint(model, checkpoint: str) -> None:
         cores = [tensors.pop(f"{prefix}cores.{k}") for k in range(len(module.cores))]
         gates = [tensors.pop(f"{prefix}gates.{k}") for k in range(len(module.gates))]
         module.expand_(cores, gates, kept[name])
-    result = model.load_state_dict(tensors, strict=False)
+    result = model.load_state_dict(with_current_names(tensors, model.state_dict().keys()), strict=False)
     if result.unexpected_keys:
         raise ComeraError(f"{checkpoint} holds tensors this model does not have: {result.unexpected_keys[:3]}")
+
+
+# The names some transformers releases (5.1) write LayerNorm parameters under on save, and the ones
+# the modules hold: a training checkpoint is read back with load_state_dict, not from_pretrained.
+SAVED_NAMES = ((".gamma", ".weight"), (".beta", ".bias"))
+
+
+def with_current_names(tensors: dict, model_keys) -> dict:
+    """``tensors`` with every saved legacy name the model lacks renamed to the one it holds."""
+    model_keys = set(model_keys)
+    renamed = {}
+    for key, tensor in tensors.items():
+        for saved, held in SAVED_NAMES:
+            if key not in model_keys and key.endswith(saved) and key[: -len(saved)] + held in model_keys:
+                key = key[: -len(saved)] + held
+        renamed[key] = tensor
+    return renamed
 
 
 class RankCallback(TrainerCallback):
