@@ -985,6 +985,7 @@ def test_a_target_ratio_is_reached_by_the_end_and_closed_entries_stay_closed(tmp
     assert all(c["params_after"] < c["params_before"] for c in cuts)
     assert all(a["params_after"] >= b["params_before"] for a, b in zip(cuts, cuts[1:]))
     assert all(c["step_seconds_before"] > 0 for c in cuts)
+    assert [h["rank_cut"]["params_after"] for h in history if "rank_cut" in h] == [c["params_after"] for c in cuts]
     assert watch.shapes[0] != watch.shapes[-1] == [tuple(m.bond_dims) for m in trained.modules()
                                                     if isinstance(m, comera_convert.TTModule) and m.gated]
     after = [m.bond_dims for m in trained.modules() if isinstance(m, comera_convert.TTModule)]

@@ -132,6 +132,8 @@ class ComeraTrainer(Trainer):
         cut = cut_closed_ranks(controller, self.optimizer, step)
         if cut is not None:
             controller.state.cuts.append(cut.to_dict())
+            if self.history:  # the history JSON marks the step it followed
+                self.history[-1]["rank_cut"] = cut.to_dict()
         if self.grams is not None:  # --reproject: once, at the switch (at every cut it measured worse)
             reproject(controller, self.optimizer, self.grams, step)
             self.grams.remove()
@@ -140,7 +142,8 @@ class ComeraTrainer(Trainer):
     # -- loss -------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.grams is not None:
-            self.grams.active = model.training and self.state.global_step % GRAM_EVERY == 0
+            self.grams.active = (model.training and self.state.global_step % GRAM_EVERY == 0
+                                 and self.controller.state.cut_points == 0)  # a resumed run past its switch: none
         loss = task_loss(self.objective, model, inputs, self.teacher,
                          blockwise=self.comera_options.distill_mode == "block-wise",
                          states=self.comera_options.distill_states)
