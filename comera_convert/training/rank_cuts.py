@@ -47,15 +47,19 @@ def points_reached(progress: float | None) -> int:
     return 0 if progress is None else sum(point <= progress for point in CUT_POINTS)
 
 
+def rewrite_state(optimizer, param: torch.Tensor, rewrite, shaped_like_param: bool = True) -> None:
+    """Replace each tensor of ``param``'s optimizer state by ``rewrite(tensor)``: those of the
+    parameter's shape (AdamW's two moments), or every one (its step too)."""
+    state = optimizer.state.get(param) if optimizer is not None else None
+    for key, value in (state or {}).items():
+        if torch.is_tensor(value) and (value.shape == param.shape or not shaped_like_param):
+            state[key] = rewrite(value)
+
+
 def moments_cutter(optimizer):
     """A callback for ``cut_to_open_ranks_`` that cuts each parameter's optimizer state (AdamW's two
-    moments: the tensors of the parameter's shape) the way the parameter is cut."""
-    def cut_state(param: torch.Tensor, cut) -> None:
-        state = optimizer.state.get(param) if optimizer is not None else None
-        for key, value in (state or {}).items():
-            if torch.is_tensor(value) and value.shape == param.shape:
-                state[key] = cut(value)
-    return cut_state
+    moments) the way the parameter is cut."""
+    return lambda param, cut: rewrite_state(optimizer, param, cut)
 
 
 def cut_closed_ranks(controller, optimizer, step: int) -> RankCut | None:

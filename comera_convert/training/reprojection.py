@@ -8,9 +8,9 @@ start. Re-projection puts each gated low-rank pair (a ``TTLinear`` of one bond) 
 order on the inputs it sees now, once, at the stage switch (the first rank cut, ``rank_cuts.py``;
 at every cut it measured worse: five restarts in a short late stage): the pair W = A diag(g) B
 is rewritten exactly as A' diag(sigma) B' (``tt.weighted.whitened_pair``), with the inputs' Gram
-matrix gathered from the training batches by forward hooks, one step in ``GRAM_EVERY``. The cores take sigma (square root on each side),
-the gates restart at 1, and AdamW's moments of the pair restart (its directions are new). The
-importance the budget closes entries by is redistributed over the new directions in proportion
+matrix gathered from the training batches by forward hooks, one step in ``GRAM_EVERY``. The
+cores take sigma (square root on each side), the gates restart at 1, and AdamW's moments of the
+pair restart (its directions are new). The importance the budget closes entries by is redistributed over the new directions in proportion
 to sigma squared, the layer's total kept: the layers' shares of the budget stay as the gradients
 measured them, and inside a layer the weakest direction goes first until new gradients refine it.
 """
@@ -23,6 +23,7 @@ import torch
 
 from ..layers import TTLinear
 from ..tt.weighted import input_factor, whitened_pair
+from .rank_cuts import rewrite_state
 
 logger = logging.getLogger("comera_convert.training")
 
@@ -63,20 +64,17 @@ class GramRecorder:
 def restart_moments(optimizer, params) -> None:
     """Forget AdamW's moments (and its bias-correction step) for ``params``: their directions are new."""
     for param in params:
-        state = optimizer.state.get(param) if optimizer is not None else None
-        for key, value in (state or {}).items():
-            if torch.is_tensor(value):
-                state[key] = torch.zeros_like(value)
+        rewrite_state(optimizer, param, torch.zeros_like, shaped_like_param=False)
 
 
 @torch.no_grad()
 def reproject_pair_(module: TTLinear, gram: torch.Tensor) -> torch.Tensor | None:
     """Rewrite the module's pair in its ordered basis (same matrix); returns sigma, descending, or
     None, the pair left as it was, where the result is not finite (a Gram of non-finite inputs)."""
-    left = module.cores[0].reshape(module.in_features, -1) * module.gates[0]
-    right = module.cores[1].reshape(-1, module.out_features)
     if not torch.isfinite(gram).all():
         return None
+    left = module.cores[0].reshape(module.in_features, -1) * module.gates[0]
+    right = module.cores[1].reshape(-1, module.out_features)
     ordered, sigma, rows = whitened_pair(left, right, input_factor(gram)[0])
     root = sigma.clamp_min(0).sqrt()
     first, second = ordered * root, root[:, None] * rows
