@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from ..conversion.distance import token_distance
 from ..conversion.storage import round_in_place, train_on_the_grid
 from ..integer import IntegerFormat
 from .sequential import hidden_of
@@ -65,16 +66,6 @@ def forget_caches(block: nn.Module) -> None:
     for module in block.modules():
         if hasattr(module, "clear_cache"):
             module.clear_cache()
-
-
-def token_distance(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The mean over tokens of 1 - cos(output, target): the directions of the hidden states, which
-    the blocks after (each starting with a norm) and the pooled, normalized embedding read. Measured
-    on all-MiniLM-L6-v2 against the relative squared error, 100 steps a block: at --ratio 4 both
-    raised the mean cosine to dense by 0.03 to 0.04 on every domain; at --ratio 8 this one by 0.02
-    to 0.03 with recall@1 level, the squared error (which the few largest hidden dimensions rule)
-    0.02 less cosine and 0.05 less recall@1 on english and man pages (BENCHMARKS.md)."""
-    return (1 - torch.nn.functional.cosine_similarity(output.float(), target.float(), dim=-1)).mean()
 
 
 def held_out_distance(block: nn.Module, inputs, targets) -> float:
