@@ -8,7 +8,7 @@ import it from here, so each list is written once.
 from __future__ import annotations
 
 # How conversion shares the ratio's parameters out among layers (conversion/strategies.py).
-ALLOCATIONS = ("uniform", "measured", "sensitivity")
+ALLOCATIONS = ("uniform", "learned", "measured", "sensitivity")
 # What the input word table becomes: a TT, or a product-quantized codebook table.
 WORD_EMBEDDINGS = ("tt", "codebook")
 

@@ -124,9 +124,10 @@ def test_options_choose_the_codebook_with_a_ratio_and_check_it():
     assert ConvertOptions(ratio=1.5).word_embedding == "codebook"
     assert ConvertOptions(rank=8).word_embedding == "tt"
     assert ConvertOptions(ratio=4, allocation="measured").word_embedding == "tt"
+    assert ConvertOptions(ratio=4, allocation="learned").word_embedding == "codebook"
     with pytest.raises(ConfigError, match="word_embedding in"):
         ConvertOptions(word_embedding="pq")
-    with pytest.raises(ConfigError, match="uniform allocation"):
+    with pytest.raises(ConfigError, match="the uniform and learned allocations, not 'sensitivity'"):
         ConvertOptions(word_embedding="codebook", allocation="sensitivity")
     with pytest.raises(ConfigError, match="codebook_width as a positive integer"):
         ConvertOptions(codebook_width=0)

@@ -73,8 +73,11 @@ def _default_out(model: str, ratio, rank) -> str:
 @click.option("--reconstruct-lr", type=float, default=None, metavar="LR",
               help="The learning rate of block-wise reconstruction [default: 1e-3].")
 @click.option("--allocation", type=click.Choice(ALLOCATIONS), default=None,
-              help="One shared rank; per-kind rank scales searched on the calibration text (measured); "
-                   "or per-layer ranks from error estimates (sensitivity) [default: uniform].")
+              help="One shared rank (uniform); the block stack's ranks learned end to end on the calibration "
+                   "text before converting (learned); per-kind rank scales searched on it (measured); or "
+                   "per-layer ranks from error estimates (sensitivity) [default: uniform].")
+@click.option("--learning-steps", type=int, default=None, metavar="N",
+              help="Adam steps of --allocation learned [default: by the model's size: MiniLM 100, a bert-base 40].")
 @click.option("--last-block-rank-scale", type=float, default=None, metavar="X",
               help="The last repeated block's layers get X times the shared rank (the uniform allocation; "
                    "a fixed --rank and the experimental allocations do not read it); 1: one shared rank "
@@ -105,8 +108,8 @@ def _default_out(model: str, ratio, rank) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of tables.")
 def convert(model, ratio, rank, layout, embedding_layout, word_embedding, codebook_width, d, targets, exclude,
             no_gates, calibration, no_calibration, calibration_sequences, compensate, reconstruct_steps,
-            reconstruct_lr, allocation, last_block_rank_scale, keep_last_attention_output, rank_multiple, dtype,
-            group_size, device, recipe, task, out, overwrite, max_shard_size, as_json):
+            reconstruct_lr, allocation, learning_steps, last_block_rank_scale, keep_last_attention_output,
+            rank_multiple, dtype, group_size, device, recipe, task, out, overwrite, max_shard_size, as_json):
     """Convert MODEL (directory, hub id or alias such as minilm, bert-base) to a TT checkpoint."""
     from ..recipes import convert_options
     from ..api import convert_checkpoint
@@ -116,6 +119,7 @@ def convert(model, ratio, rank, layout, embedding_layout, word_embedding, codebo
                  "targets": _patterns(targets), "exclude": _patterns(exclude),
                  "gates": False if no_gates else None, "calibration": calibration,
                  "calibration_sequences": calibration_sequences, "allocation": allocation,
+                 "learning_steps": learning_steps,
                  "compensate": compensate, "reconstruct_steps": reconstruct_steps, "reconstruct_lr": reconstruct_lr,
                  "last_block_rank_scale": last_block_rank_scale,
                  "keep_last_attention_output": keep_last_attention_output, "rank_multiple": rank_multiple,
@@ -147,7 +151,8 @@ def _print_conversion(result, calibrated: bool) -> None:
     out.print(totals_table(result.report, result.disk_bytes))
     t = result.timings
     calibrate = f"calibrate {t['calibrate']:.1f} s, " if "calibrate" in t else ""
-    out.print(f"[green]wrote[/] {result.out}  (load {t['load']:.1f} s, {calibrate}convert {t['convert']:.1f} s, "
+    allocate = f"allocate {t['allocate']:.1f} s, " if "allocate" in t else ""
+    out.print(f"[green]wrote[/] {result.out}  ({allocate}load {t['load']:.1f} s, {calibrate}convert {t['convert']:.1f} s, "
               f"save {t['save']:.1f} s)", soft_wrap=True)
     for note in result.notes:
         out.print(f"[yellow]note:[/] {note}", soft_wrap=True)

@@ -95,6 +95,10 @@ def totals_table(report, disk_bytes: int | None = None) -> Table:
                       if extra.get("last_block_rank_scale") else "")
         kept = ", its attention output dense" if extra.get("dense_last_attention_output") else ""
         table.add_row("rank allocation", extra["allocation"].split(":")[0] + last_block + kept + multiple)
+    if extra.get("learned_distance"):
+        before, after = extra["learned_distance"]
+        table.add_row("learned allocation", f"held-out distance to the dense outputs {before:.3f} -> {after:.3f} "
+                                            f"({extra['learning_steps']} steps, {extra['learning_seconds']:.0f} s)")
     if extra.get("layers_cut"):
         table.add_row("factorized layers cut", f"{extra['layers_cut']:.2f}x")
     if "calibration" in extra:

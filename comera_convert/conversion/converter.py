@@ -24,7 +24,7 @@ from .options import ConvertOptions
 from .records import tie_head
 from .report import ConversionReport, describe
 from .storage import integer_storage, round_in_place
-from .strategies import STRATEGIES, Allocation, AllocationRequest
+from .strategies import STRATEGIES, UNIFORM_DESCRIPTION, Allocation, AllocationRequest
 from .targets import find_candidates
 
 
@@ -64,8 +64,7 @@ def convert_modules(model: nn.Module, options: ConvertOptions, calibration: Cali
     candidates, tied, skipped = find_candidates(model, options.targets, options.exclude, options.d)
     if not candidates:
         raise ConfigError(_nothing_to_convert(model, skipped))
-    choice = LayoutChoice(options.layout, options.embedding_layout, options.d, options.gates, options.rank_multiple,
-                          codebook_tables(model, candidates, options), options.codebook_width)
+    choice = layout_choice(model, candidates, options)
     allocation = _allocate(model, candidates, params_before, options, choice, calibration, progress)
     for candidate, spec in zip(candidates, allocation.specs):
         if spec is None:
@@ -113,12 +112,26 @@ def _allocate(model, candidates, params_before, options, choice, calibration, pr
     if options.rank is not None:
         # An explicit rank is honoured even where TT is not smaller (full-rank round trips, studies).
         return Allocation([choice.spec(c, options.rank) for c in candidates], options.rank,
-                          "uniform: one shared maximum rank")
+                          UNIFORM_DESCRIPTION)
     request = AllocationRequest(
         model, candidates, params_before, options, choice, calibration,
         lambda clone, clone_candidates, trial: swap_in(clone, clone_candidates, trial, options, calibration),
         progress)
     return STRATEGIES[options.allocation](request)
+
+
+def allocation_request(model: nn.Module, options: ConvertOptions) -> AllocationRequest:
+    """What a strategy splits the budget of ``options`` over for ``model``, as ``convert_modules`` asks
+    (without calibration: for learning an allocation before a streamed conversion)."""
+    candidates = find_candidates(model, options.targets, options.exclude, options.d)[0]
+    return AllocationRequest(model, candidates, count_params(model), options, layout_choice(model, candidates, options),
+                             None, swap_in=None)
+
+
+def layout_choice(model: nn.Module, candidates, options: ConvertOptions) -> LayoutChoice:
+    """How ``options`` lay the candidates out (layouts, modes, gates, rank multiple, codebook tables)."""
+    return LayoutChoice(options.layout, options.embedding_layout, options.d, options.gates, options.rank_multiple,
+                        codebook_tables(model, candidates, options), options.codebook_width)
 
 
 def on_device(decompose, device: str):

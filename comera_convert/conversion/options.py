@@ -11,6 +11,7 @@ from ..errors import ConfigError, expected
 from ..option_files import from_mapping
 from ..tt.spec import LAYOUTS
 from .calibration import BATCH as CALIBRATION_BATCH, CALIBRATION_OPTION, DEFAULT_SEQUENCES
+from .learned import LEARNING_STEP_BUDGET, LEARNING_STEPS, MIN_LEARNING_STEPS
 from .storage import check_storage
 
 # With a codebook word table (the default with --ratio), compensation, reconstruction and the
@@ -49,6 +50,14 @@ MAX_CALIBRATION_SEQUENCES = 512
 # Reconstruction holds out the last calibration batch and trains on the others.
 RECONSTRUCTION_HELD_OUT = CALIBRATION_BATCH
 RECONSTRUCTION_MIN_SEQUENCES = 2 * RECONSTRUCTION_HELD_OUT
+
+
+# The allocations that share one maximum rank out (scaled per layer): the ones a codebook word
+# table, which costs the same at every rank, works with.
+SHARED_RANK = ("uniform", "learned")
+# The largest per-layer multiple of the shared rank rank_scales may ask for: at --ratio 8 a layer's
+# learned rank reached 5x the shared one (a layer at its break-even rank, where it stays dense).
+MAX_RANK_SCALE = 64.0
 
 
 def default_modes(ratio: float | None, *, codebook: bool = False, ttm: bool = False) -> int:
@@ -119,11 +128,19 @@ class ConvertOptions:
     # COMPENSATE_ABOVE_CUT, off below and for a fixed --rank.
     reconstruct_steps: int | None = None
     reconstruct_lr: float = 1e-3
-    # How --ratio's budget is split: "uniform" (one shared maximum rank), "measured" (per-kind rank
-    # scales searched end to end on the calibration text; conversion/experimental/measured.py) or "sensitivity"
-    # (per layer, from the calibration data's error estimates; conversion/experimental/sensitivity.py). Both are experimental: neither
-    # beat the shared rank out of domain after training (strategies.py).
+    # How --ratio's budget is split: "uniform" (one shared maximum rank), "learned" (the block stack's
+    # linears at per-layer multiples of it, learned end to end on the calibration text before the
+    # conversion: conversion/learned.py), "measured" (per-kind rank scales searched end to end on the
+    # calibration text; conversion/experimental/measured.py) or "sensitivity" (per layer, from the
+    # calibration data's error estimates; conversion/experimental/sensitivity.py). The last two are
+    # experimental: neither beat the shared rank out of domain after training (strategies.py).
     allocation: str = "uniform"
+    # The learned allocation's per-layer rank scales (module name -> multiple of the shared rank), as
+    # a conversion's report records them: given, they are used as they are instead of learned again.
+    rank_scales: dict[str, float] | None = None
+    # Adam steps of the learned allocation (conversion/learned.py); None: by the model's size
+    # (``learning_steps_for``).
+    learning_steps: int | None = None
     # The ranks --ratio chooses are multiples of this. 8 suits GPU tensor cores in bf16 (a rank
     # of 160 ran 2.5x faster than 163 on an H100); 1 spends the whole budget. BENCHMARKS.md#layer-fwdbwd-4096-tokens
     rank_multiple: int = 1
@@ -182,7 +199,7 @@ class ConvertOptions:
                 raise ConfigError(expected(f"{name} in {LAYOUTS}", getattr(self, name)))
         ttm = "ttm" in (self.layout, self.embedding_layout)
         if self.word_embedding is None:
-            self.word_embedding = "codebook" if self.rank is None and self.allocation == "uniform" else "tt"
+            self.word_embedding = "codebook" if self.rank is None and self.allocation in SHARED_RANK else "tt"
         codebook = self.word_embedding == "codebook"
         self._defaulted = frozenset(name for name in DEPENDENT_DEFAULTS if getattr(self, name) is None)
         ratio = self.ratio if self.rank is None else None  # None: a fixed --rank
@@ -214,9 +231,10 @@ class ConvertOptions:
                               "sensitivity allocation climbs its own ladder of ranks")
         if self.word_embedding not in WORD_EMBEDDINGS:
             raise ConfigError(expected(f"word_embedding in {WORD_EMBEDDINGS}", self.word_embedding))
-        if self.word_embedding == "codebook" and self.allocation != "uniform":
-            raise ConfigError(f"a codebook word embedding works with the uniform allocation, not "
+        if self.word_embedding == "codebook" and self.allocation not in SHARED_RANK:
+            raise ConfigError(f"a codebook word embedding works with the uniform and learned allocations, not "
                               f"{self.allocation!r}: give --word-embedding tt for it")
+        self._check_learned()
         width = self.codebook_width
         if isinstance(width, bool) or not isinstance(width, int) or width < 1:
             raise ConfigError(expected("codebook_width as a positive integer (columns per slice)", width))
@@ -257,6 +275,25 @@ class ConvertOptions:
             if value is not None and not all(isinstance(p, str) and p for p in value):
                 raise ConfigError(expected(f"{name} as a list of module-name patterns", value))
             setattr(self, name, list(value) if value else None)
+
+    def _check_learned(self) -> None:
+        steps, scales = self.learning_steps, self.rank_scales
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise ConfigError(expected("learning_steps as a positive whole number", steps))
+        if self.allocation == "learned" and scales is None and self.d != 1:
+            raise ConfigError(f"allocation 'learned' learns the rank of each layer's low-rank pair (--modes 1, the "
+                              f"default with a codebook word table); got --modes {self.d}")
+        if scales is None:
+            return
+        if self.allocation != "learned":
+            raise ConfigError(f"rank_scales are the learned allocation's per-layer ranks: give allocation learned "
+                              f"with them, not {self.allocation!r}")
+        if not isinstance(scales, dict) or not all(
+                isinstance(name, str) and not isinstance(value, bool) and isinstance(value, (int, float))
+                and math.isfinite(value) and 0 < value <= MAX_RANK_SCALE for name, value in scales.items()):
+            raise ConfigError(expected(f"rank_scales as a mapping of layer names to numbers in (0, {MAX_RANK_SCALE}]",
+                                       scales))
+        self.rank_scales = {name: float(value) for name, value in scales.items()}
 
     def _check_reconstruction(self) -> None:
         steps, lr = self.reconstruct_steps, self.reconstruct_lr
@@ -301,6 +338,13 @@ class ConvertOptions:
         if steps * compressed <= RECONSTRUCTION_STEP_BUDGET:
             return steps
         return max(MIN_RECONSTRUCT_STEPS, int(RECONSTRUCTION_STEP_BUDGET / compressed))
+
+    def learning_steps_for(self, params: int) -> int:
+        """The learned allocation's steps for a model of ``params`` parameters: those asked for; by
+        default what LEARNING_STEP_BUDGET buys it, LEARNING_STEPS at most, MIN_LEARNING_STEPS at least."""
+        if self.learning_steps is not None:
+            return self.learning_steps
+        return max(MIN_LEARNING_STEPS, min(LEARNING_STEPS, LEARNING_STEP_BUDGET // max(1, params)))
 
     @property
     def fewest_sequences(self) -> int:

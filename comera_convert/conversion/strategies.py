@@ -4,9 +4,10 @@ A strategy takes an ``AllocationRequest`` and returns an ``Allocation``: one spe
 (None keeps it dense), the shared maximum rank where there is one, and what the report says.
 ``uniform`` (one shared rank, the largest the ratio allows, scaled for the input embedding and the
 last block, whose attention output projection stays dense) is the default, what the quality figures
-were measured with (those before session 37 with one rank for every block); the experimental ones
-(``conversion/experimental/``) are opt-in studies that did not beat it out of domain after training
-(their docstrings say by how much). A new strategy is a function registered in ``STRATEGIES``.
+were measured with (those before session 37 with one rank for every block); ``learned`` re-splits
+its budget between the block stack's linears by ranks learned end to end (``learned.py``); the
+experimental ones (``conversion/experimental/``) are opt-in studies that did not beat it out of
+domain after training (their docstrings say by how much). A new strategy is a function registered in ``STRATEGIES``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch import nn
 from ..errors import ConfigError
 from .allocate import LayoutChoice, allocate_ranks
 from .calibration import Calibration
+from .learned import LearnedRanks
 from .options import ConvertOptions
 from .targets import Candidate, attention_output_in, find_blocks
 
@@ -49,23 +51,109 @@ def uniform(request: AllocationRequest) -> Allocation:
     ``embedding_rank_scale`` times it, the layers of the last repeated block ``last_block_rank_scale``
     times it, and that block's attention output projection stays dense where
     ``keep_last_attention_output`` asks; left-over budget lifts the largest layers one rank."""
+    plan = _uniform_plan(request)
+    specs, shared_rank = allocate_ranks(request.candidates, request.params_before, request.options.ratio,
+                                        request.choice, plan.scale)
+    return Allocation(specs, shared_rank, plan.description, plan.extra)
+
+
+UNIFORM_DESCRIPTION = "uniform: one shared maximum rank"
+
+
+@dataclass
+class _UniformPlan:
+    scale: Callable | None  # the per-layer rank scale (None: one shared rank)
+    description: str
+    extra: dict
+    kept_dense: str | None
+
+
+def _uniform_plan(request: AllocationRequest) -> _UniformPlan:
+    """The uniform allocation's per-layer scales and what its report says of them."""
     options = request.options
     scaled = options.last_block_rank_scale != 1
     last_block = _last_block_prefix(request.model) if scaled or options.keep_last_attention_output else None
     kept_dense = (attention_output_in([c.name for c in request.candidates], last_block)
                   if last_block is not None and options.keep_last_attention_output else None)
-    scales = _uniform_scales(request.model, options.embedding_rank_scale, last_block if scaled else None,
-                             options.last_block_rank_scale, kept_dense)
-    specs, shared_rank = allocate_ranks(request.candidates, request.params_before, options.ratio,
-                                        request.choice, scales)
-    description, extra = "uniform: one shared maximum rank", {}
+    scale = _uniform_scales(request.model, options.embedding_rank_scale, last_block if scaled else None,
+                            options.last_block_rank_scale, kept_dense)
+    description, extra = UNIFORM_DESCRIPTION, {}
     if last_block is not None and scaled:
         description += f", the last block's layers at {options.last_block_rank_scale:g}x it"
         extra["last_block_rank_scale"] = options.last_block_rank_scale
     if kept_dense is not None:
         description += f", {kept_dense} (the last block's attention output) dense"
         extra["dense_last_attention_output"] = kept_dense
-    return Allocation(specs, shared_rank, description, extra)
+    return _UniformPlan(scale, description, extra, kept_dense)
+
+
+def learned(request: AllocationRequest) -> Allocation:
+    """The uniform allocation with the linears of the block stack but the last block at learned
+    multiples of the shared rank (``options.rank_scales``; learned here from the calibration's probe
+    sequences where none were given: ``learn_allocation``); the shared rank is then the largest that
+    meets the ratio."""
+    options = request.options
+    plan = _uniform_plan(request)
+    scales, extra = options.rank_scales, {}
+    if scales is None:
+        learning = learn_allocation(request, probe_batches(_needs_calibration(request)))
+        scales, extra = learning.scales, learning.to_dict()
+    unknown = sorted(set(scales) - {c.name for c in request.candidates if c.kind == "linear"})
+    if unknown:
+        raise ConfigError(f"rank_scales name {unknown[0]}, which is not a linear layer this conversion converts "
+                          f"({len(unknown)} such name(s)): learn them again for this model")
+    base = plan.scale or (lambda candidate: 1.0)
+
+    def scale(candidate: Candidate) -> float | None:
+        if candidate.name == plan.kept_dense:
+            return None
+        return scales.get(candidate.name, base(candidate))
+
+    specs, shared_rank = allocate_ranks(request.candidates, request.params_before, options.ratio, request.choice,
+                                        scale)
+    description = ("learned: the ranks of every block but the last learned end to end on the calibration text"
+                   + plan.description.removeprefix(UNIFORM_DESCRIPTION))
+    return Allocation(specs, shared_rank, description, {**plan.extra, **extra, "rank_scales": dict(scales)})
+
+
+def learn_allocation(request: AllocationRequest, batches: list) -> LearnedRanks:
+    """Learn the per-layer rank scales of the block stack's linears (``learned.learn_rank_scales``),
+    starting from the uniform allocation of ``request`` (a dense model with its weights in memory).
+
+    The last block's layers are not learned: they keep the uniform allocation's scale
+    (``last_block_rank_scale``). The learning sees every layer's error as it is before compensation
+    and reconstruction, which make up for a block's error in the blocks after it; the last block has
+    none after it, and learned it lost rank to earlier blocks. On all-mpnet-base-v2 at --ratio 4
+    that cost 0.02-0.04 of cosine on every held-out domain; kept at 2x, the learned allocation gains
+    cosine on every domain (BENCHMARKS.md, A learned rank allocation)."""
+    from .learned import learn_rank_scales
+
+    plan = _uniform_plan(request)
+    stack = find_blocks(request.model)
+    if stack is None:
+        raise ConfigError("allocation 'learned' learns the ranks of a stack of repeated blocks, which this model "
+                          f"({type(request.model).__name__}) lacks: use the uniform allocation")
+    prefix, last_block = f"{stack}." if stack else "", _last_block_prefix(request.model)
+    layers = [c for c in request.candidates
+              if c.kind == "linear" and c.name.startswith(prefix) and not c.name.startswith(last_block)]
+    if not layers:
+        raise ConfigError("allocation 'learned' found no linear layer to learn before the last block (the targets "
+                          "leave none): use the uniform allocation")
+    shared_rank = allocate_ranks(request.candidates, request.params_before, request.options.ratio, request.choice,
+                                 plan.scale)[1]
+    base = plan.scale or (lambda candidate: 1.0)
+    return learn_rank_scales(request.model, layers, {c.name: base(c) for c in layers}, shared_rank, batches,
+                             steps=request.options.learning_steps_for(request.params_before))
+
+
+def probe_batches(calibration: Calibration) -> list:
+    """The calibration's probe sequences in batches of the learning's size."""
+    from .learned import STEP_SEQUENCES
+
+    if calibration.probe is None or calibration.probe.shape[0] < 2 * STEP_SEQUENCES:
+        raise ConfigError("allocation 'learned' needs calibration sequences to learn on: build the calibration with "
+                          "calibrate(), or give rank_scales")
+    return list(calibration.probe.split(STEP_SEQUENCES))
 
 
 def measured(request: AllocationRequest) -> Allocation:
@@ -95,7 +183,7 @@ def sensitivity(request: AllocationRequest) -> Allocation:
 
 
 STRATEGIES: dict[str, Callable[[AllocationRequest], Allocation]] = {
-    "uniform": uniform, "measured": measured, "sensitivity": sensitivity}
+    "uniform": uniform, "learned": learned, "measured": measured, "sensitivity": sensitivity}
 
 
 def _needs_calibration(request: AllocationRequest) -> Calibration:

@@ -109,9 +109,14 @@ def convert_checkpoint(model_name: str, out, options: ConvertOptions, *, task=No
                          f"(plain TT-SVD); copy its tokenizer in for a data-aware conversion")
     progress(f"loading {model_name}")
     _check_room(out, path, options)
+    learning, allocating = None, 0.0
+    if options.allocation == "learned" and options.rank_scales is None:
+        options, learning = _learn_allocation(model_name, path, options, task, tokenizer, progress)
+        allocating = time.perf_counter() - start  # the dense model loaded whole, the text read, the ranks learned
     model, path, streamed, sequential, options = _open_source(model_name, path, options, task, tokenizer, notes,
                                                               progress)
     loaded = time.perf_counter()
+    start += allocating  # its own stage
     if sequential is not None:
         calibration = sequential.stats  # filled block by block as the conversion reaches each block
     elif options.calibration:
@@ -145,6 +150,8 @@ def convert_checkpoint(model_name: str, out, options: ConvertOptions, *, task=No
             cast_for_storage(model, options.dtype)
         report.extra["storage_dtype"] = storage_name(options) or str(next(model.parameters()).dtype).removeprefix("torch.")
         report.extra["source_bytes"] = weight_bytes(path)
+        if learning is not None:
+            report.extra.update(learning.to_dict())
         report.extra.update(lineage(None, command))
         converted = time.perf_counter()
         progress(f"saving {out}")
@@ -156,6 +163,8 @@ def convert_checkpoint(model_name: str, out, options: ConvertOptions, *, task=No
             streamed.close()
     saved = time.perf_counter()
     timings = {"load": loaded - start, "convert": converted - calibrated, "save": saved - converted}
+    if learning is not None:
+        timings["allocate"] = allocating
     if sequential is not None:  # block by block: the text was read while loading, the passes ran in the conversion
         timings["calibrate"] = sequential.reading_seconds + sequential.seconds
         timings["load"] -= sequential.reading_seconds
@@ -195,10 +204,38 @@ def _open_source(model_name: str, path: str, options: ConvertOptions, task, toke
 
 
 def _streams(path: str, options: ConvertOptions) -> bool:
-    """Whether this conversion streams: a uniformly allocated one of a local safetensors checkpoint."""
+    """Whether this conversion streams: one of a local safetensors checkpoint whose allocation needs no
+    model in memory (uniform, or learned with its scales known)."""
     from .streaming import streamable
 
-    return options.allocation == "uniform" and streamable(path)
+    known = options.allocation == "uniform" or (options.allocation == "learned" and options.rank_scales is not None)
+    return known and streamable(path)
+
+
+def _learn_allocation(model_name: str, path: str, options: ConvertOptions, task, tokenizer, progress):
+    """(options with the learned ``rank_scales``, the learning): the dense model loaded whole and the
+    learned allocation's ranks learned on ``LEARNING_SEQUENCES`` of the calibration text, before the
+    conversion streams with them."""
+    import torch
+
+    from ..conversion.calibration import plan_calibration
+    from ..conversion.converter import allocation_request
+    from ..conversion.learned import LEARNING_SEQUENCES, STEP_SEQUENCES
+    from ..conversion.strategies import learn_allocation
+    from ..errors import ConfigError
+    from ..models import load_tokenizer
+
+    if not options.calibration:
+        raise ConfigError("allocation 'learned' learns the ranks on calibration text: give --calibration DATA "
+                          "(without --no-calibration), or rank_scales learned before")
+    progress(f"learning the rank allocation on {options.calibration}")
+    model, _ = load_model(path, task=task)
+    request = allocation_request(model, options.for_model(model))
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path, "--allocation learned")
+    plan = plan_calibration(model, request.candidates, tokenizer, options.calibration, LEARNING_SEQUENCES,
+                            options.calibration_seq_len)
+    learning = learn_allocation(request, list(torch.cat(plan.batches).split(STEP_SEQUENCES)))
+    return options.replace(rank_scales=learning.scales), learning
 
 
 def _stream_source(path: str, options: ConvertOptions):
