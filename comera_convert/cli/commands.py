@@ -77,7 +77,8 @@ def _default_out(model: str, ratio, rank) -> str:
                    "text before converting (learned); per-kind rank scales searched on it (measured); or "
                    "per-layer ranks from error estimates (sensitivity) [default: uniform].")
 @click.option("--learning-steps", type=int, default=None, metavar="N",
-              help="Adam steps of --allocation learned [default: by the model's size: MiniLM 100, a bert-base 40].")
+              help="Adam steps of --allocation learned [default: by the model's size: MiniLM 100, "
+                   "a bert-base 40].")
 @click.option("--last-block-rank-scale", type=float, default=None, metavar="X",
               help="The last repeated block's layers get X times the shared rank (the uniform allocation; "
                    "a fixed --rank and the experimental allocations do not read it); 1: one shared rank "
@@ -152,8 +153,8 @@ def _print_conversion(result, calibrated: bool) -> None:
     t = result.timings
     calibrate = f"calibrate {t['calibrate']:.1f} s, " if "calibrate" in t else ""
     allocate = f"allocate {t['allocate']:.1f} s, " if "allocate" in t else ""
-    out.print(f"[green]wrote[/] {result.out}  ({allocate}load {t['load']:.1f} s, {calibrate}convert {t['convert']:.1f} s, "
-              f"save {t['save']:.1f} s)", soft_wrap=True)
+    out.print(f"[green]wrote[/] {result.out}  ({allocate}load {t['load']:.1f} s, {calibrate}"
+              f"convert {t['convert']:.1f} s, save {t['save']:.1f} s)", soft_wrap=True)
     for note in result.notes:
         out.print(f"[yellow]note:[/] {note}", soft_wrap=True)
     if not calibrated:  # plain TT-SVD of pretrained weights keeps little of the model's function

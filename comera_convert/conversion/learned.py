@@ -33,7 +33,7 @@ from torch import nn
 from ..layers.swap import set_submodule
 from ..layers.tt_linear import dense_weight_of
 from ..tt.weighted import input_factor
-from .calibration import add_gram
+from .calibration import collect
 from .distance import token_distance
 from .targets import Candidate
 
@@ -101,25 +101,8 @@ class SoftTruncated(nn.Module):
 
 def breakeven_rank(candidate: Candidate) -> int:
     """The rank at which a low-rank pair stores as much as the dense matrix: the most worth learning."""
-    return max(1, min(candidate.rows, candidate.cols, candidate.rows * candidate.cols // (candidate.rows + candidate.cols)))
-
-
-def input_grams(model: nn.Module, layers: list[Candidate], batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Each layer's float64 Gram X^T X of its inputs over ``batches``, from one pass of the dense model."""
-    grams = {c.name: torch.zeros(c.rows, c.rows, dtype=torch.float64) for c in layers}
-
-    def record(name, module, args):
-        add_gram(grams[name], args[0].reshape(-1, args[0].shape[-1]).float())
-
-    handles = [c.module.register_forward_pre_hook(lambda m, a, name=c.name: record(name, m, a)) for c in layers]
-    try:
-        with torch.no_grad():
-            for batch in batches:
-                model(input_ids=batch)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return grams
+    rows, cols = candidate.rows, candidate.cols
+    return max(1, min(rows, cols, rows * cols // (rows + cols)))
 
 
 def last_hidden(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
@@ -137,12 +120,11 @@ def learn_rank_scales(model: nn.Module, layers: list[Candidate], base: dict[str,
     if len(batches) < 2:
         raise ValueError("learning a rank allocation needs at least two batches: one is held out")
     model.eval()
-    grams = input_grams(model, layers, batches)
+    grams = collect(model, layers, batches).grams  # q, k and v share one
     with torch.no_grad():
         targets = [last_hidden(model, batch) for batch in batches]
     caps = [breakeven_rank(c) for c in layers]
     soft = [SoftTruncated(c.module, grams.pop(c.name), cap) for c, cap in zip(layers, caps)]
-    del grams
     cost = torch.tensor([float(c.rows + c.cols) for c in layers], dtype=torch.float64)
     shares = torch.tensor([base[c.name] for c in layers], dtype=torch.float64)
     ceiling = torch.tensor(caps, dtype=torch.float64)
