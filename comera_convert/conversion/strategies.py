@@ -67,6 +67,10 @@ class _UniformPlan:
     extra: dict
     kept_dense: str | None
 
+    def rank_scale(self, candidate: Candidate) -> float | None:
+        """The candidate's multiple of the shared rank (None: it stays dense)."""
+        return 1.0 if self.scale is None else self.scale(candidate)
+
 
 def _uniform_plan(request: AllocationRequest) -> _UniformPlan:
     """The uniform allocation's per-layer scales and what its report says of them."""
@@ -102,12 +106,10 @@ def learned(request: AllocationRequest) -> Allocation:
     if unknown:
         raise ConfigError(f"rank_scales name {unknown[0]}, which is not a linear layer this conversion converts "
                           f"({len(unknown)} such name(s)): learn them again for this model")
-    base = plan.scale or (lambda candidate: 1.0)
-
     def scale(candidate: Candidate) -> float | None:
         if candidate.name == plan.kept_dense:
             return None
-        return scales.get(candidate.name, base(candidate))
+        return scales.get(candidate.name, plan.rank_scale(candidate))
 
     specs, shared_rank = allocate_ranks(request.candidates, request.params_before, options.ratio, request.choice,
                                         scale)
@@ -141,8 +143,7 @@ def learn_allocation(request: AllocationRequest, batches: list) -> LearnedRanks:
                           "leave none): use the uniform allocation")
     shared_rank = allocate_ranks(request.candidates, request.params_before, request.options.ratio, request.choice,
                                  plan.scale)[1]
-    base = plan.scale or (lambda candidate: 1.0)
-    return learn_rank_scales(request.model, layers, {c.name: base(c) for c in layers}, shared_rank, batches,
+    return learn_rank_scales(request.model, layers, {c.name: plan.rank_scale(c) for c in layers}, shared_rank, batches,
                              steps=request.options.learning_steps_for(request.params_before))
 
 
