@@ -724,9 +724,11 @@ def _resume_supported() -> bool:
 
 
 @pytest.mark.skipif(not _resume_supported(), reason="transformers reads optimizer states with torch.load only on torch >= 2.6")
-@pytest.mark.parametrize("target", [None, 4.0])
+@pytest.mark.parametrize("target", [None, 4.0, "beyond the gates"])
 def test_resume_continues_exactly(tmp_path, tokenizer, corpus, target):
     path = compressed(tmp_path, tokenizer, ratio=2)
+    if target == "beyond the gates":  # dense layers opened to the gates, again as the run resumes
+        target = 1.2 * _gates_ceiling(path)
     # With a target ratio the budget closes entries by importance: the scores travel in the checkpoint.
     extra = {} if target is None else {"target_ratio": target, "lr_gates": 1e-3}
     options = TrainOptions(objective="mlm", data=str(corpus), **{**FAST, **extra})
@@ -965,6 +967,7 @@ def test_a_target_ratio_is_reached_by_the_end_and_closed_entries_stay_closed(tmp
     result = train(str(path), TrainOptions(objective="mlm", data=str(corpus), rank_multiple=multiple, **TARGET),
                    tmp_path / "out", callbacks=[watch])
     assert result.shortfall is None and result.ratio_before == pytest.approx(2, rel=0.05)
+    assert result.opened_layers == []  # the gates reach 4x: the dense layers stay as they are
     trained = comera_convert.from_pretrained(tmp_path / "out")
     exported = _dense_params(path) / count_params(trained)
     assert exported == pytest.approx(result.ratio_after) and 4.0 <= exported <= 4.0 * 1.02
@@ -992,6 +995,32 @@ def test_a_target_ratio_is_reached_by_the_end_and_closed_entries_stay_closed(tmp
     changed = [a for dims_after, dims_before in zip(after, before)
                for a, b in zip(dims_after, dims_before) if a != b]
     assert changed and all(a % multiple == 0 for a in changed)
+
+
+def _gates_ceiling(path) -> float:
+    """The ratio a checkpoint's gates reach with every bond at rank 1 (its dense layers left dense)."""
+    from comera_convert.training.rank_control import RankController
+
+    controller = RankController(comera_convert.from_pretrained(path), TrainOptions(steps=100).for_objective("mlm"),
+                                _dense_params(path))
+    return _dense_params(path) / controller.floor_params(controller.floors_at(0.0))
+
+
+def test_a_target_beyond_the_gates_opens_the_dense_layers_of_the_blocks_and_is_reached(tmp_path, tokenizer, corpus):
+    from comera_convert.training.opening import dense_block_linears
+
+    path = compressed(tmp_path, tokenizer, ratio=2)  # its linears are too small to factorize: dense
+    model, dense = comera_convert.from_pretrained(path), _dense_params(path)
+    target = round(1.2 * _gates_ceiling(path), 1)
+    result = train(str(path), TrainOptions(objective="mlm", data=str(corpus), **{**TARGET, "target_ratio": target}),
+                   tmp_path / "out")
+    assert result.opened_layers == dense_block_linears(model) != []
+    assert result.shortfall is None and result.ratio_before < dense / count_params(model)  # full rank costs more
+    trained = comera_convert.from_pretrained(tmp_path / "out")
+    assert target <= dense / count_params(trained) <= target * 1.02
+    assert all(isinstance(trained.get_submodule(name), comera_convert.TTModule) for name in result.opened_layers)
+    record = json.loads((tmp_path / "out" / "comera_report.json").read_text())["extra"]["training"]
+    assert record["opened_layers"] == result.opened_layers and record["target_reached"] is True
 
 
 def test_a_run_stopped_before_its_schedule_ends_says_it_missed_the_target(tmp_path, tokenizer, corpus):

@@ -29,8 +29,10 @@ from torch import nn
 from ..conversion import count_params
 from ..errors import ConfigError
 from ..layers import TTModule
+from ..hf.config import integer_format_of
 from .budget import (FALLBACK_KEPT_SHARES, MIN_KEPT_SHARE, SCHEDULE_SHARE, ModuleBonds, bond_floor, choose_closures,
                      scheduled_size)
+from .opening import dense_block_linears, open_dense_layers
 
 logger = logging.getLogger("comera_convert.training")
 
@@ -117,6 +119,10 @@ class RankController:
         self.options = options
         self.dense_params = dense_params
         self.state = RankState()
+        # Dense linears of the blocks made gated pairs because the target lay beyond the gates (opening.py).
+        self.opened: list[str] = []
+        if options.target_ratio is not None and not self.reachable(options.target_ratio):
+            self.open_dense_layers(options.target_ratio)
         # With --minutes the trainer hands its WallClock here: the stages and the budget then follow the
         # run's progress in time as well as in steps, as the learning rate does (wall_clock.py).
         self.clock = None
@@ -178,13 +184,30 @@ class RankController:
                                 "stop short)", target_ratio, self.floor_description())
                 return
 
-    def floor_params(self) -> int:
-        """The whole model's parameter count with every bond closed down to its floor."""
+    def floor_params(self, floors: list[list[int]] | None = None) -> int:
+        """The whole model's parameter count with every bond closed down to its floor (``floors``, or
+        the run's)."""
         total = self.model_params()
-        for (_, module), floors in zip(self.modules, self.floors):
+        for (_, module), floors in zip(self.modules, self.floors if floors is None else floors):
             floors = tuple(min(f, r) for f, r in zip(floors, module.ranks))
             total += module_size(module, floors) + sum(floors) - module_size(module) - sum(module.ranks)
         return total
+
+    def reachable(self, target_ratio: float) -> bool:
+        """Whether the gates can reach ``target_ratio`` at all: with every bond at its lowest floor."""
+        return self.dense_params / self.floor_params(self.floors_at(FALLBACK_KEPT_SHARES[-1])) >= target_ratio
+
+    def open_dense_layers(self, target_ratio: float) -> None:
+        """Make the dense linears of the blocks gated full-rank pairs (``opening.py``), so that the
+        budget can shrink them too; an integer checkpoint's grid is left as it is (nothing opens)."""
+        names = dense_block_linears(self.model)
+        if not names or integer_format_of(self.model) is not None:
+            return
+        added = open_dense_layers(self.model, names)
+        self.modules, self.opened = gated_modules(self.model), names
+        logger.info("target ratio %g lies beyond the gates: %d dense layers of the blocks open to them as exact "
+                    "full-rank pairs (+%.2f M parameters until the budget closes their directions; the model "
+                    "starts at %.2fx)", target_ratio, len(names), added / 1e6, self.ratio())
 
     def check_target(self, target_ratio: float) -> None:
         """Refuse a target the run cannot head for: at or below the current ratio, or beyond the floors."""

@@ -68,6 +68,8 @@ class TrainResult:
     # The closed ranks cut out while training (rank_cuts.py): step, parameters stored before and after,
     # mean step seconds before and after.
     rank_cuts: list[dict] = field(default_factory=list)
+    # Dense linears of the blocks opened to the gates for the target (opening.py), by name.
+    opened_layers: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "report"}
@@ -461,7 +463,7 @@ def _result(out: Path, session: Session, steps: int, ratio_before: float, before
                        ranks=controller.ranks(), cosine_before=before[1], cosine_after=after[1],
                        task_before=before[2], task_after=after[2], task_pairs=pairs if before[2] is not None else 0,
                        target_ratio=session.options.target_ratio, objective_note=session.objective_note,
-                       shortfall=controller.shortfall(steps))
+                       shortfall=controller.shortfall(steps), opened_layers=list(controller.opened))
 
 
 def _record(result: TrainResult, options: TrainOptions, cosines: bool) -> dict:
@@ -473,6 +475,8 @@ def _record(result: TrainResult, options: TrainOptions, cosines: bool) -> dict:
                       target_reached=result.shortfall is None)
     if result.rank_cuts:
         record.update(rank_cuts=result.rank_cuts)
+    if result.opened_layers:
+        record.update(opened_layers=result.opened_layers)
     if cosines:
         record.update(held_out_cosine_before=result.cosine_before, held_out_cosine_after=result.cosine_after)
     if result.task_pairs:

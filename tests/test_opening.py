@@ -1,0 +1,34 @@
+"""Dense layers opened to the gates (training/opening.py): exact, and only where a target needs them."""
+
+import pytest
+import torch
+
+from comera_convert.layers import TTLinear
+from comera_convert.training.opening import dense_block_linears, open_dense_layers
+
+from .tiny_models import build, outputs
+
+
+@pytest.mark.parametrize("case", ["bert-mlm", "gpt2-clm", "llama-clm"])
+def test_opened_layers_are_gated_full_rank_pairs_that_compute_what_the_dense_ones_did(case):
+    model = build(case)
+    before = outputs(model)
+    names = dense_block_linears(model)
+    dense = {name: model.get_submodule(name) for name in names}
+    assert names and all(".0." in n or ".1." in n for n in names)  # the blocks' linears, not the head
+    added = open_dense_layers(model, names)
+    for name, layer in dense.items():
+        opened = model.get_submodule(name)
+        weight = layer.weight if isinstance(layer, torch.nn.Linear) else layer.weight.t()
+        assert isinstance(opened, TTLinear) and opened.gates is not None
+        assert opened.ranks == (min(weight.shape),)
+        torch.testing.assert_close(opened.dense_weight(), weight, atol=1e-5, rtol=1e-4)
+    assert added == sum(sum(p.numel() for p in model.get_submodule(n).parameters())
+                        - sum(p.numel() for p in d.parameters()) for n, d in dense.items()) > 0
+    torch.testing.assert_close(outputs(model), before, atol=1e-4, rtol=1e-4)
+    assert dense_block_linears(model) == []
+
+
+def test_a_model_without_a_stack_of_blocks_has_nothing_to_open():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    assert dense_block_linears(model) == []
