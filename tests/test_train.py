@@ -724,7 +724,7 @@ def _resume_supported() -> bool:
 
 
 @pytest.mark.skipif(not _resume_supported(), reason="transformers reads optimizer states with torch.load only on torch >= 2.6")
-@pytest.mark.parametrize("target", [None, 4.0, "beyond the gates"])
+@pytest.mark.parametrize("target", [None, 4.0, pytest.param("beyond the gates", marks=pytest.mark.slow)])
 def test_resume_continues_exactly(tmp_path, tokenizer, corpus, target):
     path = compressed(tmp_path, tokenizer, ratio=2)
     if target == "beyond the gates":  # dense layers opened to the gates, again as the run resumes
