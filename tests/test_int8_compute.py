@@ -133,9 +133,35 @@ def test_bench_inference_of_a_checkpoint_rows_every_method_with_its_quality(tmp_
         assert row["sentences_per_s"] > 0 and "12 texts" in row["shape"] and set(row["recall_kept"]) == {"words"}
 
 
+@pytest.mark.slow  # compiling two models takes a minute or two
+def test_bench_inference_compiled_rows_time_the_compiled_models_and_keep_their_quality(tmp_path):
+    checkpoint, dense, pairs = _tiny_checkpoint(tmp_path)
+    result = CliRunner().invoke(main, ["bench", "inference", "--checkpoint", str(checkpoint), "--reference", str(dense),
+                                       "--pairs", str(pairs), "--texts", "12", "--repeats", "1", "--compile", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {row["method"]: row for row in json.loads(result.output)["rows"]}
+    assert list(rows)[-2:] == ["dense, torch.compile", "comera float32, torch.compile"]
+    # Compiling changes no result: the same retrieval as the eager models.
+    assert rows["dense, torch.compile"]["recall_kept"] == rows["dense"]["recall_kept"]
+    assert rows["comera float32, torch.compile"]["recall_kept"] == rows["comera float32"]["recall_kept"]
+    assert all(row["sentences_per_s"] > 0 for row in rows.values())
+
+
+def test_bench_compile_without_a_cpp_compiler_is_refused_in_one_line(tmp_path, monkeypatch):
+    checkpoint, dense, pairs = _tiny_checkpoint(tmp_path)
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    result = CliRunner().invoke(main, ["bench", "inference", "--checkpoint", str(checkpoint), "--reference", str(dense),
+                                       "--pairs", str(pairs), "--texts", "12", "--compile"])
+    assert result.exit_code == 1
+    assert result.output.strip().endswith("--compile: torch.compile builds CPU kernels with a C++ compiler, and "
+                                          "'no-such-compiler' is not on PATH (install g++, or set CXX to one)")
+
+
 def test_bench_checkpoint_options_refuse_what_does_not_go_together(tmp_path):
     runner = CliRunner()
     result = runner.invoke(main, ["bench", "layer", "--checkpoint", str(tmp_path), "--quick"])
     assert result.exit_code == 1 and "--checkpoint measures the inference case, and the cases are layer" in result.output
     result = runner.invoke(main, ["bench", "inference", "--reference", "x", "--quick"])
-    assert result.exit_code == 1 and "--reference and --pairs go with --checkpoint" in result.output
+    assert result.exit_code == 1 and "--reference, --pairs and --compile go with --checkpoint" in result.output
+    result = runner.invoke(main, ["bench", "inference", "--compile", "--quick"])
+    assert result.exit_code == 1 and "--reference, --pairs and --compile go with --checkpoint" in result.output

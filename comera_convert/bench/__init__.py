@@ -42,7 +42,7 @@ def run(cases, device: str, dtype: torch.dtype, quick: bool, repeats: int, progr
     step to those names and their dense baselines; ``model_name`` is the model whose training step
     is timed (one of ``models.TRAIN_MODELS``). ``serving``: the inference case measures this real
     checkpoint instead (``serving_case``'s keyword arguments: checkpoint, reference_name, pair_files,
-    texts)."""
+    texts, compile_models)."""
     progress = progress or (lambda message: None)
     rows = []
     for name in cases:

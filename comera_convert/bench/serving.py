@@ -3,7 +3,9 @@ tries first, with the quality each keeps (`comera bench inference --checkpoint P
 
 Methods: the dense model; the dense model with its linears in int8 (torch's dynamic quantization,
 ``quantize_dynamic``); the compressed model in float32; the compressed model with int8 compute
-(``layers.use_int8_compute``). Texts are embedded as sentence-transformers' ``encode`` does: sorted
+(``layers.use_int8_compute``); with ``compiled``, the dense and the float32 compressed models under
+``torch.compile`` as well (inductor fuses the elementwise work between the GEMMs and takes away
+Python's per-layer overhead; compiling happens in the untimed warm-up). Texts are embedded as sentence-transformers' ``encode`` does: sorted
 by length, in batches of ``BATCH``. Each timed round runs every method once, in turn, and each method
 reports its median round (rounds side by side: the machine's drift meets every method alike).
 Quality: each method's retrieval recall@1 on query/document pairs as a share of the dense model's.
@@ -12,6 +14,8 @@ Quality: each method's retrieval recall@1 on query/document pairs as a share of 
 from __future__ import annotations
 
 import copy
+import os
+import shutil
 import statistics
 import time
 import warnings
@@ -19,9 +23,12 @@ from itertools import zip_longest
 
 import torch
 
+from ..errors import ConfigError
+
 BATCH = 32  # sentence-transformers' default encode batch
 SEQ_LEN = 256  # tokens a text is cut to (the longest MiniLM and MPNet sentence models embed)
 DENSE, DENSE_INT8, OURS, OURS_INT8 = ("dense", "dense, int8 dynamic (torch)", "comera float32", "comera int8 compute")
+DENSE_COMPILED, OURS_COMPILED = "dense, torch.compile", "comera float32, torch.compile"
 
 
 def quantized_dense(reference: torch.nn.Module) -> torch.nn.Module:
@@ -38,6 +45,21 @@ def int8_compute_copy(compressed: torch.nn.Module) -> torch.nn.Module:
     model = copy.deepcopy(compressed)
     use_int8_compute(model)
     return model
+
+
+def require_cpp_compiler() -> None:
+    """Refuse in one line where torch.compile's CPU backend (inductor) would find no C++ compiler: it
+    builds its kernels with ``$CXX`` (g++ unless set)."""
+    compiler = os.environ.get("CXX") or "g++"
+    if shutil.which(compiler) is None:
+        raise ConfigError(f"--compile: torch.compile builds CPU kernels with a C++ compiler, and {compiler!r} "
+                          "is not on PATH (install g++, or set CXX to one)")
+
+
+def compiled(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` under ``torch.compile`` with dynamic shapes: the length-sorted batches differ in
+    length, and one graph serves them all instead of one compilation per length."""
+    return torch.compile(model, dynamic=True)
 
 
 def length_sorted_batches(tokenizer, texts: list[str], batch: int = BATCH) -> list[dict]:
@@ -67,28 +89,32 @@ def timed_rounds(models: dict, batches: list[dict], repeats: int) -> dict[str, f
 
 
 def serving_case(checkpoint: str, reference_name: str | None, pair_files, texts: int, repeats: int,
-                 progress=None) -> list[dict]:
+                 progress=None, compile_models: bool = False) -> list[dict]:
     """One row per method: sentences a second, speed against dense, and recall@1 kept per pair domain
-    (each of ``pair_files``, else the built-in english corpus's held-out pairs)."""
+    (each of ``pair_files``, else the built-in english corpus's held-out pairs); ``compile_models`` adds
+    the dense and the float32 compressed models under ``torch.compile``."""
     from ..evaluation import load_compared, pair_domain_name
     from ..retrieval import held_out_pairs, kept, model_retrieval, read_pairs
 
     progress = progress or (lambda message: None)
+    if compile_models:
+        require_cpp_compiler()
     compared = load_compared(checkpoint, reference_name, "comera bench", progress)
     if compared.kind == "clm":
-        from ..errors import ConfigError
-
         raise ConfigError("--checkpoint measures sentence embedding: pass an encoder, not a causal LM")
     progress("int8 copies of the dense and compressed models")
     models = {DENSE: compared.reference, DENSE_INT8: quantized_dense(compared.reference), OURS: compared.compressed,
               OURS_INT8: int8_compute_copy(compared.compressed)}
+    if compile_models:
+        models.update({DENSE_COMPILED: compiled(compared.reference), OURS_COMPILED: compiled(compared.compressed)})
     domains = {}
     for file in pair_files:
         domains[pair_domain_name(file, domains)] = read_pairs(file, texts)
     domains = domains or {"english": held_out_pairs("english", texts)}
     documents = interleaved([[document for _, document in pairs] for pairs in domains.values()])[:texts]
     batches = length_sorted_batches(compared.tokenizer, documents)
-    progress(f"timing {len(documents)} texts, {repeats} rounds of {len(models)} models")
+    progress(f"timing {len(documents)} texts, {repeats} rounds of {len(models)} models"
+             + (" (compiling first)" if compile_models else ""))
     seconds = timed_rounds(models, batches, repeats)
     quality = {}
     for index, (domain, pairs) in enumerate(domains.items()):

@@ -44,8 +44,11 @@ COLUMNS = ("method", "shape", "tokens", "ranks", "params_ratio", "flop_ratio", "
                    "pairs of the english corpus].")
 @click.option("--texts", type=click.IntRange(min=2), default=512, show_default=True,
               help="--checkpoint: texts embedded per timed round, and pairs per domain.")
+@click.option("--compile", "compile_models", is_flag=True,
+              help="--checkpoint: also time the dense and the float32 compressed models under torch.compile "
+                   "(compiled in the untimed warm-up; needs a C++ compiler).")
 def bench(cases, quick, device, dtype, repeats, json_path, variants, model_name, checkpoint, reference, pair_files,
-          texts):
+          texts, compile_models):
     """Measure CASES (default: all): layer, embedding, train-step, convert, inference."""
     import torch
 
@@ -73,9 +76,10 @@ def bench(cases, quick, device, dtype, repeats, json_path, variants, model_name,
             raise ConfigError(f"--checkpoint measures the inference case, and the cases are {', '.join(cases)}")
         if device != "cpu":
             raise ConfigError(f"--checkpoint measures CPU serving (int8 kernels run on the CPU), not --device {device}")
-        serving = {"checkpoint": checkpoint, "reference_name": reference, "pair_files": pair_files, "texts": texts}
-    elif reference or pair_files:
-        raise ConfigError("--reference and --pairs go with --checkpoint")
+        serving = {"checkpoint": checkpoint, "reference_name": reference, "pair_files": pair_files, "texts": texts,
+                   "compile_models": compile_models}
+    elif reference or pair_files or compile_models:
+        raise ConfigError("--reference, --pairs and --compile go with --checkpoint")
     repeats = repeats or (2 if quick else 5)
     out = console()
     with progress_display() as update:
