@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 
@@ -200,13 +202,15 @@ def test_the_last_block_gets_its_rank_scale_and_the_ratio_still_holds(family):
 
 
 @pytest.mark.parametrize("family, kept", [("bert", "encoder.layer.11.attention.output.dense"),
+                                          ("mpnet", "encoder.layer.3.attention.attn.o"),
                                           ("llama", "layers.3.self_attn.o_proj"), ("gpt2", "h.3.attn.c_proj")])
 def test_the_last_blocks_attention_output_stays_dense_within_the_ratio(family, kept):
-    """bert-base, a Llama and a GPT-2 planned on the meta device at --ratio 6: the last block's
+    """bert-base, an MPNet, a Llama and a GPT-2 planned on the meta device at --ratio 6: the last block's
     attention output projection stays a dense layer (the same projection of the first block is
     converted), the ratio holds, and its cost comes out of the shared rank; asked to factorize it,
     it is converted like the rest."""
-    from transformers import BertConfig, BertModel, GPT2Config, GPT2Model, LlamaConfig, LlamaModel
+    from transformers import (BertConfig, BertModel, GPT2Config, GPT2Model, LlamaConfig, LlamaModel, MPNetConfig,
+                              MPNetModel)
 
     def plan(**kwargs):
         with torch.device("meta"):
@@ -214,11 +218,14 @@ def test_the_last_blocks_attention_output_stays_dense_within_the_ratio(family, k
                      "llama": lambda: LlamaModel(LlamaConfig(hidden_size=512, intermediate_size=1376,
                                                              num_hidden_layers=4, num_attention_heads=8,
                                                              vocab_size=4000)),
+                     "mpnet": lambda: MPNetModel(MPNetConfig(hidden_size=512, intermediate_size=2048,
+                                                             num_hidden_layers=4, num_attention_heads=8,
+                                                             vocab_size=4000)),
                      "gpt2": lambda: GPT2Model(GPT2Config(n_embd=512, n_layer=4, n_head=8, vocab_size=4000))}[family]()
         return model, comera_convert.convert(model, ratio=6, word_embedding="tt", **kwargs)
 
     model, report = plan()
-    first = kept.replace("11." if family == "bert" else "3.", "0.", 1)
+    first = re.sub(r"\.\d+\.", ".0.", kept, count=1)  # the same projection of the first block
     assert report.ratio >= 6 and report.extra["dense_last_attention_output"] == kept
     assert not isinstance(model.get_submodule(kept), TTModule) and isinstance(model.get_submodule(first), TTLinear)
     assert f"{kept} (the last block's attention output) dense" in report.extra["allocation"]

@@ -115,9 +115,9 @@ def find_candidates(model: nn.Module, targets=None, exclude=None, d: int = 3):
 
 
 # The attention block's output projection, by the names transformers' architectures give it (BERT and
-# RoBERTa, GPT-2, Llama and Mistral, OPT and BART, GPT-NeoX): a name ends in one of these.
+# RoBERTa, GPT-2, Llama and Mistral, OPT and BART, GPT-NeoX, MPNet): a name ends in one of these.
 ATTENTION_OUTPUT_NAMES = ("attention.output.dense", "attn.c_proj", "self_attn.o_proj", "self_attn.out_proj",
-                          "attention.dense")
+                          "attention.dense", "attention.attn.o")
 
 
 def attention_output_in(names, block_prefix: str) -> str | None:
