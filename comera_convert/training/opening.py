@@ -32,8 +32,7 @@ def dense_block_linears(model: nn.Module) -> list[str]:
 
 def full_rank(module: nn.Module) -> int:
     """The rank at which a low-rank pair represents ``module``'s weight exactly."""
-    weight = module.weight
-    return min(weight.shape)
+    return min(module.weight.shape)
 
 
 def open_dense_layers(model: nn.Module, names: list[str]) -> int:

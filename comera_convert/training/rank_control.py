@@ -28,8 +28,8 @@ from torch import nn
 
 from ..conversion import count_params
 from ..errors import ConfigError
-from ..layers import TTModule
 from ..hf.config import integer_format_of
+from ..layers import TTModule
 from .budget import (FALLBACK_KEPT_SHARES, MIN_KEPT_SHARE, SCHEDULE_SHARE, ModuleBonds, bond_floor, choose_closures,
                      scheduled_size)
 from .opening import dense_block_linears, open_dense_layers
@@ -184,11 +184,11 @@ class RankController:
                                 "stop short)", target_ratio, self.floor_description())
                 return
 
-    def floor_params(self, floors: list[list[int]] | None = None) -> int:
-        """The whole model's parameter count with every bond closed down to its floor (``floors``, or
-        the run's)."""
+    def floor_params(self, bond_floors: list[list[int]] | None = None) -> int:
+        """The whole model's parameter count with every bond closed down to its floor (``bond_floors``,
+        or the run's)."""
         total = self.model_params()
-        for (_, module), floors in zip(self.modules, self.floors if floors is None else floors):
+        for (_, module), floors in zip(self.modules, self.floors if bond_floors is None else bond_floors):
             floors = tuple(min(f, r) for f, r in zip(floors, module.ranks))
             total += module_size(module, floors) + sum(floors) - module_size(module) - sum(module.ranks)
         return total
