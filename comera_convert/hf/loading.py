@@ -41,22 +41,6 @@ def from_pretrained(path: str | os.PathLike, task: str | None = None, **kwargs):
     return model
 
 
-def _dense_linear(module) -> nn.Module:
-    if module.dense_class == "Conv1D":  # GPT-2's transposed linear: weight stored (in, out)
-        from transformers.pytorch_utils import Conv1D
-
-        dense = Conv1D(module.out_features, module.in_features).to(module.cores[0])
-        dense.weight.copy_(module.dense_weight().t())
-        dense.bias = module.bias
-        return dense
-    dense = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
-                      device=module.cores[0].device, dtype=module.cores[0].dtype)
-    dense.weight.copy_(module.dense_weight())
-    if module.bias is not None:
-        dense.bias = module.bias
-    return dense
-
-
 def _dense_embedding(module) -> nn.Embedding:
     table = module.dense_matrix()
     dense = nn.Embedding(module.num_embeddings, module.embedding_dim, module.padding_idx,
@@ -77,7 +61,7 @@ def decompress_model(model: nn.Module) -> nn.Module:
     heads = []
     for name, module in list(model.named_modules()):
         if isinstance(module, TTLinear):
-            set_submodule(model, name, _dense_linear(module))
+            set_submodule(model, name, module.to_dense())
         elif isinstance(module, (TTEmbedding, CodebookEmbedding)):
             set_submodule(model, name, _dense_embedding(module))
         elif isinstance(module, TiedTTHead):

@@ -6,7 +6,9 @@ The gates cannot shrink such a layer, so a target ratio can lie beyond what they
 ``--ratio 2`` stops at 3.82x with every bond at rank 1). Opened, each dense linear of the block stack
 becomes a gated low-rank pair at full rank: the SVD's two factors, exact to rounding, so the model
 computes what it did, at twice the parameters of a square layer until the budget closes half of its
-directions. The budget then weighs its directions against every other layer's.
+directions. The budget then weighs its directions against every other layer's. One that ends the
+run above half its rank is saved dense again (``fold_oversized``): the pair would hold more than the
+matrix.
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ def dense_block_linears(model: nn.Module) -> list[str]:
             if name.startswith(blocks + ".") and is_dense_linear(module)]
 
 
+def stored_params(module: nn.Module) -> int:
+    """Parameters a module stores (a pair's gates included)."""
+    return sum(p.numel() for p in module.parameters())
+
+
 def full_rank(module: nn.Module) -> int:
     """The rank at which a low-rank pair represents ``module``'s weight exactly."""
     return min(module.weight.shape)
@@ -42,6 +49,21 @@ def open_dense_layers(model: nn.Module, names: list[str]) -> int:
     for name in names:
         dense = model.get_submodule(name)
         opened = TTLinear.from_linear(dense, rank=full_rank(dense), d=OPENED_MODES, gates=True)
-        added += sum(p.numel() for p in opened.parameters()) - sum(p.numel() for p in dense.parameters())
+        added += stored_params(opened) - stored_params(dense)
         set_submodule(model, name, opened)
     return added
+
+
+def fold_oversized(model: nn.Module, names: list[str]) -> list[str]:
+    """Each named low-rank pair that stores at least as many parameters as the matrix it represents,
+    made the dense layer again (in place); returns their names."""
+    folded = []
+    for name in names:
+        module = model.get_submodule(name)
+        if not isinstance(module, TTLinear):
+            continue
+        dense = module.to_dense()
+        if stored_params(module) >= stored_params(dense):
+            set_submodule(model, name, dense)
+            folded.append(name)
+    return folded

@@ -27,6 +27,7 @@ from ..text import Blocks, pack, shortened, text_length
 from .attention import use_training_attention
 from .objectives import (BlockCollator, pick_objective, require_same_depth, resolve_objective, task_for,
                          task_loss)
+from .opening import fold_oversized
 from .options import TrainOptions
 from .rank_control import RankController
 from .rank_cuts import step_times
@@ -405,6 +406,7 @@ def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, 
         result.report = export(trained, trainer.history, out, source=session.path,
                                training=_record(result, options, held_out.targets is not None), command=command,
                                max_shard_size=max_shard_size)
+        result.ratio_after = result.report.ratio  # more than the run's own count where opened layers went dense again
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()  # every worker returns once the trained model is written
     return result
@@ -517,6 +519,8 @@ def export(model, history: list[dict], out: Path, source: str, training: dict, c
     from .plot import plot_history
 
     truncated, _ = truncated_copy(model, fold=True)
+    if saved_dense := fold_oversized(truncated, training.get("opened_layers", [])):
+        training = {**training, "opened_layers_saved_dense": saved_dense}
     try:
         previous = read_report(source)
     except ModelLoadError as err:  # never lose a finished run over the input's bookkeeping
