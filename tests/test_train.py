@@ -253,6 +253,22 @@ def test_training_reads_the_recorded_cut(tmp_path, tokenizer, corpus):
     assert record["training"]["options"]["distill_states"] == "relative-mse" and record["layers_cut"] == 4.0
 
 
+def test_with_a_target_ratio_the_cut_the_target_asks_chooses_the_states(tmp_path, tokenizer):
+    from comera_convert.training.options import default_distill_states
+    from comera_convert.training.run import recorded_layers_cut
+
+    path = compressed(tmp_path, tokenizer, ratio=2)
+    report_path = path / "comera_report.json"
+    report = json.loads(report_path.read_text())
+    report["extra"]["layers_cut"] = 2.3  # MiniLM --ratio 4's cut: relative MSE
+    report_path.write_text(json.dumps(report))
+    ratio = report["ratio"]
+    assert recorded_layers_cut(path) == 2.3 and default_distill_states(2.3) == "relative-mse"
+    # Heading for twice the ratio cuts the layers at least twice as hard: by direction, as --ratio 8 is.
+    assert recorded_layers_cut(path, 2 * ratio) == pytest.approx(4.6)
+    assert default_distill_states(recorded_layers_cut(path, 2 * ratio)) == "cosine"
+
+
 def test_distill_objective_uses_the_recorded_teacher(tmp_path, tokenizer, corpus):
     path = compressed(tmp_path, tokenizer, ratio=2)
     options = TrainOptions(objective="distill", data=str(corpus),

@@ -256,9 +256,12 @@ class Session:
     encoder: bool  # distilling a sentence encoder: held-out embedding cosines too
 
 
-def recorded_layers_cut(path) -> float | None:
+def recorded_layers_cut(path, target_ratio: float | None = None) -> float | None:
     """How hard the conversion cut the checkpoint's factorized layers, as its report records it (None
-    where it records none, or where the report is unreadable: export says so as it starts a new one)."""
+    where it records none, or where the report is unreadable: export says so as it starts a new one).
+    With a target ratio, how hard the target cuts them at least: the recorded cut times the target
+    over the ratio now (more where layers the gates cannot shrink, such as a codebook table, hold
+    part of the model)."""
     from ..conversion.report import read_report
 
     try:
@@ -266,7 +269,11 @@ def recorded_layers_cut(path) -> float | None:
     except ModelLoadError:
         return None
     cut = report.extra.get("layers_cut") if report is not None else None
-    return float(cut) if isinstance(cut, (int, float)) else None
+    if not isinstance(cut, (int, float)):
+        return None
+    if target_ratio is not None and report.ratio:
+        return float(cut) * max(1.0, target_ratio / report.ratio)
+    return float(cut)
 
 
 def open_session(model_name: str, options: TrainOptions) -> Session:
@@ -289,12 +296,14 @@ def open_session(model_name: str, options: TrainOptions) -> Session:
                           f"this run trains with {objective}")
     # Integer factors (the config's storage record) keep the relative MSE: on the 32.6x int4
     # checkpoint (cut 5.1x) five minutes by each token's cosine ended level with it.
-    cut = None if quantization.get("storage") else recorded_layers_cut(path)
+    cut = None if quantization.get("storage") else recorded_layers_cut(path, options.target_ratio)
     by_cut = objective == "distill" and options.distill_states is None and cut is not None
     options = options.for_objective(objective, encoder, cut)
     if by_cut:
-        note = "; ".join(filter(None, [note, f"hidden states matched by {options.distill_states} (the conversion "
-                                              f"cut the factorized layers {cut:.1f}x; --distill-states to choose)"]))
+        how = "the target ratio cuts the factorized layers at least" if options.target_ratio else \
+            "the conversion cut the factorized layers"
+        note = "; ".join(filter(None, [note, f"hidden states matched by {options.distill_states} ({how} {cut:.1f}x; "
+                                              "--distill-states to choose)"]))
     # Parameters the checkpoint lacks (a head or pooler the task adds) are initialized at random as
     # the model loads: seeded, so that a run is repeatable and every worker starts from the same
     # model (FSDP shards each worker's own values; DDP would broadcast the main one's).
