@@ -122,7 +122,7 @@ class RankController:
         # Dense linears of the blocks made gated pairs because the target lay beyond the gates (opening.py).
         self.opened: list[str] = []
         if options.target_ratio is not None and not self.reachable(options.target_ratio):
-            self.open_dense_layers(options.target_ratio)
+            self.open_to_gates(options.target_ratio)
         # With --minutes the trainer hands its WallClock here: the stages and the budget then follow the
         # run's progress in time as well as in steps, as the learning rate does (wall_clock.py).
         self.clock = None
@@ -197,7 +197,7 @@ class RankController:
         """Whether the gates can reach ``target_ratio`` at all: with every bond at its lowest floor."""
         return self.dense_params / self.floor_params(self.floors_at(FALLBACK_KEPT_SHARES[-1])) >= target_ratio
 
-    def open_dense_layers(self, target_ratio: float) -> None:
+    def open_to_gates(self, target_ratio: float) -> None:
         """Make the dense linears of the blocks gated full-rank pairs (``opening.py``), so that the
         budget can shrink them too; an integer checkpoint's grid is left as it is (nothing opens)."""
         names = dense_block_linears(self.model)
