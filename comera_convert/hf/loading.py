@@ -41,6 +41,25 @@ def from_pretrained(path: str | os.PathLike, task: str | None = None, **kwargs):
     return model
 
 
+@torch.no_grad()
+def dense_linear(module) -> nn.Module:
+    """The dense layer a TTLinear represents, of the class it was converted from (nn.Linear, or
+    transformers' Conv1D, whose weight is stored in x out), sharing the TTLinear's bias."""
+    weight = module.dense_weight()
+    if module.dense_class == "Conv1D":
+        from transformers.pytorch_utils import Conv1D
+
+        dense = Conv1D(module.out_features, module.in_features).to(weight)
+        dense.weight.copy_(weight.t())
+    else:
+        dense = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                          device=weight.device, dtype=weight.dtype)
+        dense.weight.copy_(weight)
+    if module.bias is not None:
+        dense.bias = module.bias
+    return dense
+
+
 def _dense_embedding(module) -> nn.Embedding:
     table = module.dense_matrix()
     dense = nn.Embedding(module.num_embeddings, module.embedding_dim, module.padding_idx,
@@ -61,7 +80,7 @@ def decompress_model(model: nn.Module) -> nn.Module:
     heads = []
     for name, module in list(model.named_modules()):
         if isinstance(module, TTLinear):
-            set_submodule(model, name, module.to_dense())
+            set_submodule(model, name, dense_linear(module))
         elif isinstance(module, (TTEmbedding, CodebookEmbedding)):
             set_submodule(model, name, _dense_embedding(module))
         elif isinstance(module, TiedTTHead):

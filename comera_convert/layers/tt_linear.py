@@ -83,24 +83,6 @@ class TTLinear(TTModule):
                 layer.bias.copy_(bias)
         return layer
 
-    @torch.no_grad()
-    def to_dense(self) -> nn.Module:
-        """The dense layer this one represents, of the class it was converted from (nn.Linear, or
-        transformers' Conv1D, whose weight is stored in x out), sharing this layer's bias."""
-        weight = self.dense_weight()
-        if self.dense_class == "Conv1D":
-            from transformers.pytorch_utils import Conv1D
-
-            dense = Conv1D(self.out_features, self.in_features).to(weight)
-            dense.weight.copy_(weight.t())
-        else:
-            dense = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
-                              device=weight.device, dtype=weight.dtype)
-            dense.weight.copy_(weight)
-        if self.bias is not None:
-            dense.bias = self.bias
-        return dense
-
     def dense_weight(self) -> torch.Tensor:
         """The (out_features, in_features) weight the layer represents, like nn.Linear.weight."""
         return self.dense_matrix().t()

@@ -16,6 +16,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..conversion.targets import find_blocks
+from ..hf.loading import dense_linear
 from ..layers.swap import set_submodule
 from ..layers.tt_linear import TTLinear, is_dense_linear
 
@@ -62,7 +63,7 @@ def fold_oversized(model: nn.Module, names: list[str]) -> list[str]:
         module = model.get_submodule(name)
         if not isinstance(module, TTLinear):
             continue
-        dense = module.to_dense()
+        dense = dense_linear(module)
         if stored_params(module) >= stored_params(dense):
             set_submodule(model, name, dense)
             folded.append(name)
