@@ -1019,7 +1019,7 @@ def _gates_ceiling(path) -> float:
 
     controller = RankController(comera_convert.from_pretrained(path), TrainOptions(steps=100).for_objective("mlm"),
                                 _dense_params(path))
-    return _dense_params(path) / controller.floor_params(controller.floors_at(0.0))
+    return controller.ceiling(controller.floors_at(0.0))
 
 
 def test_a_target_beyond_the_gates_opens_the_dense_layers_of_the_blocks_and_is_reached(tmp_path, tokenizer, corpus):
@@ -1076,7 +1076,7 @@ def test_a_target_beyond_a_quarter_of_each_rank_lowers_the_floors_just_enough(tm
     for share in (0.25, 0.125):
         probe = RankController(model, options, dense)
         probe.kept_share, probe.floors = share, probe.floors_at(share)
-        ceilings[share] = dense / probe.floor_params()
+        ceilings[share] = probe.ceiling()
     assert ceilings[0.25] < ceilings[0.125]
     between = (ceilings[0.25] + ceilings[0.125]) / 2
     for target, share in ((ceilings[0.25] * 0.99, 0.25), (between, 0.125)):

@@ -6,8 +6,9 @@ Methods: the dense model; the dense model with its linears in int8 (torch's dyna
 (``layers.use_int8_compute``); with ``compile_models``, the dense and the float32 compressed models
 under ``torch.compile`` as well (inductor fuses the elementwise work between the GEMMs and takes away
 Python's per-layer overhead; compiling happens in the untimed warm-up). Texts are embedded as
-sentence-transformers' ``encode`` does: sorted by length, in batches of ``BATCH``. Each timed round runs every method once, in turn, and each method
-reports its median round (rounds side by side: the machine's drift meets every method alike).
+sentence-transformers' ``encode`` does: sorted by length, in batches of ``BATCH``. Each timed round
+runs every method once, in turn, and each method reports its median round (rounds side by side: the
+machine's drift meets every method alike).
 Quality: each method's retrieval recall@1 on query/document pairs as a share of the dense model's.
 """
 

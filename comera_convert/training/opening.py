@@ -63,8 +63,8 @@ def fold_oversized(model: nn.Module, names: list[str]) -> list[str]:
         module = model.get_submodule(name)
         if not isinstance(module, TTLinear):
             continue
-        dense = dense_linear(module)
-        if stored_params(module) >= stored_params(dense):
-            set_submodule(model, name, dense)
+        matrix = module.in_features * module.out_features + (0 if module.bias is None else module.out_features)
+        if stored_params(module) >= matrix:  # counted, not built: a dense weight only for a layer that folds
+            set_submodule(model, name, dense_linear(module))
             folded.append(name)
     return folded

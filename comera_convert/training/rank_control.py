@@ -178,7 +178,7 @@ class RankController:
         model reach ``target_ratio``; the last one tried where none does (check_target then says so)."""
         for share in (MIN_KEPT_SHARE, *FALLBACK_KEPT_SHARES):
             self.kept_share, self.floors = share, self.floors_at(share)
-            if self.dense_params / self.floor_params() >= target_ratio:
+            if self.ceiling() >= target_ratio:
                 if share < MIN_KEPT_SHARE:
                     logger.info("target ratio %g: bonds may close down to %s (a quarter of each rank would "
                                 "stop short)", target_ratio, self.floor_description())
@@ -193,9 +193,13 @@ class RankController:
             total += module_size(module, floors) + sum(floors) - module_size(module) - sum(module.ranks)
         return total
 
+    def ceiling(self, bond_floors: list[list[int]] | None = None) -> float:
+        """The ratio the model reaches with every bond at its floor (``bond_floors``, or the run's)."""
+        return self.dense_params / self.floor_params(bond_floors)
+
     def reachable(self, target_ratio: float) -> bool:
         """Whether the gates can reach ``target_ratio`` at all: with every bond at its lowest floor."""
-        return self.dense_params / self.floor_params(self.floors_at(FALLBACK_KEPT_SHARES[-1])) >= target_ratio
+        return self.ceiling(self.floors_at(FALLBACK_KEPT_SHARES[-1])) >= target_ratio
 
     def open_to_gates(self, target_ratio: float) -> None:
         """Make the dense linears of the blocks gated full-rank pairs (``opening.py``), so that the
@@ -216,7 +220,7 @@ class RankController:
             raise ConfigError(f"target ratio {target_ratio:g} is not above the model's current ratio "
                               f"{ratio:.2f}x: training only compresses further (ask for more, or leave out "
                               "--target-ratio)")
-        ceiling = self.dense_params / self.floor_params()
+        ceiling = self.ceiling()
         if target_ratio > ceiling:
             raise ConfigError(f"target ratio {target_ratio:g} is beyond what the smallest ranks allow: "
                               f"{ceiling:.2f}x with every bond at its floor ({self.floor_description()}), "
