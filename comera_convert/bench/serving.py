@@ -3,9 +3,9 @@ tries first, with the quality each keeps (`comera bench inference --checkpoint P
 
 Methods: the dense model; the dense model with its linears in int8 (torch's dynamic quantization,
 ``quantize_dynamic``); the compressed model in float32; the compressed model with int8 compute
-(``layers.use_int8_compute``); with ``compile_models``, the dense and the float32 compressed models
-under ``torch.compile`` as well (inductor fuses the elementwise work between the GEMMs and takes away
-Python's per-layer overhead; compiling happens in the untimed warm-up). Texts are embedded as
+(``layers.use_int8_compute``); with ``compile_models``, each of the four under ``torch.compile`` as
+well (inductor fuses the elementwise work between the GEMMs and takes away Python's per-layer
+overhead; the int8 GEMMs stay torch's quantized kernels; compiling happens in the untimed warm-up). Texts are embedded as
 sentence-transformers' ``encode`` does: sorted by length, in batches of ``BATCH``. Each timed round
 runs every method once, in turn, and each method reports its median round (rounds side by side: the
 machine's drift meets every method alike).
@@ -29,7 +29,7 @@ from ..errors import ConfigError
 BATCH = 32  # sentence-transformers' default encode batch
 SEQ_LEN = 256  # tokens a text is cut to (the longest MiniLM and MPNet sentence models embed)
 DENSE, DENSE_INT8, OURS, OURS_INT8 = ("dense", "dense, int8 dynamic (torch)", "comera float32", "comera int8 compute")
-DENSE_COMPILED, OURS_COMPILED = "dense, torch.compile", "comera float32, torch.compile"
+COMPILED = ", torch.compile"  # the suffix of a compiled method's name
 
 
 def quantized_dense(reference: torch.nn.Module) -> torch.nn.Module:
@@ -93,7 +93,7 @@ def serving_case(checkpoint: str, reference_name: str | None, pair_files, texts:
                  progress=None, compile_models: bool = False) -> list[dict]:
     """One row per method: sentences a second, speed against dense, and recall@1 kept per pair domain
     (each of ``pair_files``, else the built-in english corpus's held-out pairs); ``compile_models`` adds
-    the dense and the float32 compressed models under ``torch.compile``."""
+    each method under ``torch.compile``."""
     from ..evaluation import load_compared, pair_domain_name
     from ..retrieval import held_out_pairs, kept, model_retrieval, read_pairs
 
@@ -107,7 +107,7 @@ def serving_case(checkpoint: str, reference_name: str | None, pair_files, texts:
     models = {DENSE: compared.reference, DENSE_INT8: quantized_dense(compared.reference), OURS: compared.compressed,
               OURS_INT8: int8_compute_copy(compared.compressed)}
     if compile_models:
-        models.update({DENSE_COMPILED: compiled(compared.reference), OURS_COMPILED: compiled(compared.compressed)})
+        models.update({name + COMPILED: compiled(model) for name, model in list(models.items())})
     domains = {}
     for file in pair_files:
         domains[pair_domain_name(file, domains)] = read_pairs(file, texts)

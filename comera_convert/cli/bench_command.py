@@ -45,8 +45,8 @@ COLUMNS = ("method", "shape", "tokens", "ranks", "params_ratio", "flop_ratio", "
 @click.option("--texts", type=click.IntRange(min=2), default=512, show_default=True,
               help="--checkpoint: texts embedded per timed round, and pairs per domain.")
 @click.option("--compile", "compile_models", is_flag=True,
-              help="--checkpoint: also time the dense and the float32 compressed models under torch.compile "
-                   "(compiled in the untimed warm-up; needs a C++ compiler).")
+              help="--checkpoint: also time each method under torch.compile (compiled in the untimed "
+                   "warm-up; needs a C++ compiler).")
 def bench(cases, quick, device, dtype, repeats, json_path, variants, model_name, checkpoint, reference, pair_files,
           texts, compile_models):
     """Measure CASES (default: all): layer, embedding, train-step, convert, inference."""
