@@ -1,4 +1,5 @@
 import json
+import logging
 import math
 import os
 import re
@@ -1312,3 +1313,31 @@ def test_a_training_checkpoints_legacy_layer_norm_names_are_read_as_the_model_na
     saved = {"encoder.LayerNorm.gamma": 1, "encoder.LayerNorm.beta": 2, "head.beta": 3, "other.gamma": 4}
     assert with_current_names(saved, model_keys) == {"encoder.LayerNorm.weight": 1, "encoder.LayerNorm.bias": 2,
                                                       "head.beta": 3, "other.gamma": 4}
+
+
+@pytest.mark.parametrize("before,after,ratio_after,warned", [
+    (0.62, 0.71, 4.0, True),          # the mpnet case: the loss rose and the size stayed
+    (0.62, float("nan"), 4.0, True),  # a loss that is no number rose as well
+    (0.62, 0.55, 4.0, False),         # the loss fell
+    (0.62, 0.71, 5.0, False),         # ranks closed: the loss paid for the size
+])
+def test_a_loss_that_rose_with_nothing_to_show_for_it_is_named(before, after, ratio_after, warned):
+    from comera_convert.training.run import regression
+
+    line = regression(before, after, 4.0, ratio_after, lr_cores=1e-3)
+    assert (line is not None) == warned
+    if warned:
+        assert line.startswith(f"training raised the held-out loss ({before:.4f} -> {after:.4f}) and kept the size")
+        assert "--lr-cores (this run: 0.001)" in line and "\n" not in line
+
+
+def test_distillation_at_a_rate_that_raises_the_loss_warns_and_records_it(tmp_path, tokenizer, corpus, caplog):
+    path = compressed(tmp_path, tokenizer, ratio=2)
+    options = TrainOptions(objective="distill", data=str(corpus), **{**FAST, "lr_cores": 0.5, "lr_rest": 0.5,
+                                                                    "lr_gates": 1e-3, "early_steps": 12, "beta": 0})
+    with caplog.at_level(logging.WARNING, logger="comera_convert"):
+        result = train(str(path), options, tmp_path / "out")
+    assert result.held_out_after > result.held_out_before and result.ratio_after == pytest.approx(result.ratio_before)
+    assert result.regression in caplog.messages
+    record = json.loads((tmp_path / "out" / "comera_report.json").read_text())["extra"]["training"]
+    assert record["held_out_loss_rose"] is True

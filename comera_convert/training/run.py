@@ -41,6 +41,8 @@ SCHEDULERS = {"constant": "constant_with_warmup", "linear": "linear", "cosine": 
 # it), so that the draws spread over the corpus instead of its first documents: distilling the
 # packaged MiniLM at --ratio 4 for 600 steps reached a held-out cosine of 0.874 against 0.851.
 READ_AHEAD = 4
+# A ratio that moved less than this share kept the model's size: a loss that rose bought nothing.
+SAME_SIZE = 0.005
 
 
 @dataclass
@@ -66,6 +68,8 @@ class TrainResult:
     # One line each: what --objective auto picked, and why a --target-ratio was missed (None: reached).
     objective_note: str | None = None
     shortfall: str | None = None
+    # One line where a run without a size target ended on a higher held-out loss than it started from.
+    regression: str | None = None
     # The closed ranks cut out while training (rank_cuts.py): step, parameters stored before and after,
     # mean step seconds before and after.
     rank_cuts: list[dict] = field(default_factory=list)
@@ -408,8 +412,9 @@ def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, 
     after = held_out.measure()
     result = _result(out, session, trainer.state.global_step, ratio_before, before, after, len(held_out.pairs))
     result.rank_cuts = step_times(trainer.history, session.controller.state.cuts)
-    if result.shortfall:
-        logger.warning(result.shortfall)
+    for warning in (result.shortfall, result.regression):
+        if warning:
+            logger.warning(warning)
     trained = session.model if sharding is None else sharding.full_model(session.model)
     if trainer.is_world_process_zero():
         result.report = export(trained, trainer.history, out, source=session.path,
@@ -474,7 +479,22 @@ def _result(out: Path, session: Session, steps: int, ratio_before: float, before
                        ranks=controller.ranks(), cosine_before=before[1], cosine_after=after[1],
                        task_before=before[2], task_after=after[2], task_pairs=pairs if before[2] is not None else 0,
                        target_ratio=session.options.target_ratio, objective_note=session.objective_note,
-                       shortfall=controller.shortfall(steps), opened_layers=list(controller.opened))
+                       shortfall=controller.shortfall(steps), opened_layers=list(controller.opened),
+                       regression=regression(before[0], after[0], ratio_before, controller.ratio(),
+                                             session.options.lr_cores))
+
+
+def regression(before: float, after: float, ratio_before: float, ratio_after: float,
+               lr_cores: float) -> str | None:
+    """One line where a run that shrank nothing ends on a higher held-out loss than it started from
+    (nothing was traded for it: the model written keeps less than its start), with the usual cause;
+    None where the loss fell, or where ranks closed and the loss paid for the size."""
+    shrank = ratio_after > ratio_before * (1 + SAME_SIZE)
+    if shrank or not (after > before or math.isnan(after)):
+        return None
+    return (f"training raised the held-out loss ({before:.4f} -> {after:.4f}) and kept the size: the model "
+            f"written likely keeps less than the one it started from; a smaller --lr-cores (this run: "
+            f"{lr_cores:g}) usually steadies it")
 
 
 def _record(result: TrainResult, options: TrainOptions, cosines: bool) -> dict:
@@ -484,6 +504,8 @@ def _record(result: TrainResult, options: TrainOptions, cosines: bool) -> dict:
     if options.target_ratio is not None:
         record.update(target_ratio=options.target_ratio, ratio_reached=result.ratio_after,
                       target_reached=result.shortfall is None)
+    if result.regression:
+        record.update(held_out_loss_rose=True)
     if result.rank_cuts:
         record.update(rank_cuts=result.rank_cuts)
     if result.opened_layers:
