@@ -5,10 +5,10 @@ Methods: the dense model; the dense model with its linears in int8 (torch's dyna
 ``quantize_dynamic``); the compressed model in float32; the compressed model with int8 compute
 (``layers.use_int8_compute``); with ``compile_models``, each of the four under ``torch.compile`` as
 well (inductor fuses the elementwise work between the GEMMs and takes away Python's per-layer
-overhead; the int8 GEMMs stay torch's quantized kernels; compiling happens in the untimed warm-up). Texts are embedded as
-sentence-transformers' ``encode`` does: sorted by length, in batches of ``BATCH``. Each timed round
-runs every method once, in turn, and each method reports its median round (rounds side by side: the
-machine's drift meets every method alike).
+overhead; the int8 GEMMs stay torch's quantized kernels; compiling happens in the untimed
+warm-up). Texts are embedded as sentence-transformers' ``encode`` does: sorted by length, in
+batches of ``BATCH``. Each timed round runs every method once, in turn, and each method reports its
+median round (rounds side by side: the machine's drift meets every method alike).
 Quality: each method's retrieval recall@1 on query/document pairs as a share of the dense model's.
 """
 

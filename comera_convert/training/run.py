@@ -68,7 +68,7 @@ class TrainResult:
     # One line each: what --objective auto picked, and why a --target-ratio was missed (None: reached).
     objective_note: str | None = None
     shortfall: str | None = None
-    # One line where a run without a size target ended on a higher held-out loss than it started from.
+    # One line where a run that closed no rank ended on a higher held-out loss than it started from.
     regression: str | None = None
     # The closed ranks cut out while training (rank_cuts.py): step, parameters stored before and after,
     # mean step seconds before and after.
