@@ -19,6 +19,7 @@ from ..conversion.targets import find_blocks
 from ..hf.loading import dense_linear
 from ..layers.swap import set_submodule
 from ..layers.tt_linear import TTLinear, is_dense_linear
+from ..tt.counting import dense_params
 
 # One mode per side: the low-rank pair, the one layout exact at full rank with two factors.
 OPENED_MODES = 1
@@ -63,7 +64,7 @@ def fold_oversized(model: nn.Module, names: list[str]) -> list[str]:
         module = model.get_submodule(name)
         if not isinstance(module, TTLinear):
             continue
-        matrix = module.in_features * module.out_features + (0 if module.bias is None else module.out_features)
+        matrix = dense_params(module.spec) + (0 if module.bias is None else module.out_features)
         if stored_params(module) >= matrix:  # counted, not built: a dense weight only for a layer that folds
             set_submodule(model, name, dense_linear(module))
             folded.append(name)
