@@ -474,13 +474,14 @@ def _trainer(session: Session, args, blocks: Blocks, collate, callbacks, shardin
 def _result(out: Path, session: Session, steps: int, ratio_before: float, before, after,
             pairs: int = 0) -> TrainResult:
     controller = session.controller
+    ratio_after = controller.ratio()
     return TrainResult(out=out, objective=session.objective, steps=steps, ratio_before=ratio_before,
-                       ratio_after=controller.ratio(), held_out_before=before[0], held_out_after=after[0],
+                       ratio_after=ratio_after, held_out_before=before[0], held_out_after=after[0],
                        ranks=controller.ranks(), cosine_before=before[1], cosine_after=after[1],
                        task_before=before[2], task_after=after[2], task_pairs=pairs if before[2] is not None else 0,
                        target_ratio=session.options.target_ratio, objective_note=session.objective_note,
                        shortfall=controller.shortfall(steps), opened_layers=list(controller.opened),
-                       regression=regression(before[0], after[0], ratio_before, controller.ratio(),
+                       regression=regression(before[0], after[0], ratio_before, ratio_after,
                                              session.options.lr_cores))
 
 
