@@ -1250,12 +1250,48 @@ def test_reprojection_keeps_the_pair_and_orders_its_directions_by_their_inputs()
     sigma = reproject_pair_(layer, x.T @ x)
     assert torch.allclose(layer(x), before, atol=1e-4) and torch.equal(layer.gates[0], torch.ones(12))
     assert torch.all(sigma[:-1] >= sigma[1:])
-    # Each direction's share of the output on these inputs is sigma, and the directions are orthogonal there.
-    through = x @ layer.cores[0].reshape(48, 12)
-    assert torch.allclose(through.T @ through, torch.diag(sigma), atol=1e-3 * float(sigma[0]))
+    # The directions are orthogonal on these inputs, each carries sigma of the output, and each
+    # direction's column and row are of one norm (balanced: the optimizer moves both at one pace).
+    first, second = layer.cores[0].reshape(48, 12), layer.cores[1].reshape(12, 40)
+    through = x @ first
+    gram = through.T @ through
+    assert torch.allclose(gram, torch.diag(gram.diagonal()), atol=1e-4 * float(gram.diagonal().max()))
+    assert torch.allclose(through.norm(dim=0) * second.norm(dim=1), sigma, rtol=1e-4)
+    assert torch.allclose(first.norm(dim=0), second.norm(dim=1), rtol=1e-4)
     cores = [c.clone() for c in layer.cores]
     assert reproject_pair_(layer, torch.full((48, 48), math.nan)) is None  # non-finite inputs: kept as trained
     assert all(torch.equal(a, b) for a, b in zip(cores, layer.cores))
+
+
+def test_reprojection_keeps_the_scale_of_adamw_steps():
+    """Re-projected at the rate's peak, the next step moves the cores about as far as the steps
+    before it, not by the full rate on every entry (restarted moments: Adam's first step is the sign)."""
+    from comera_convert.training.reprojection import rescale_pair_moments, reproject_pair_
+
+    torch.manual_seed(0)
+    layer = comera_convert.TTLinear.from_linear(nn.Linear(48, 40), rank=12, d=1)
+    target = nn.Linear(48, 40)
+    x = torch.randn(256, 48)
+    lr = 1e-2
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=lr, weight_decay=0.0)
+
+    def step():
+        optimizer.zero_grad()
+        (layer(x) - target(x).detach()).square().mean().backward()
+        optimizer.step()
+
+    for _ in range(30):
+        step()
+    core, second = layer.cores[0], optimizer.state[layer.cores[0]]["exp_avg_sq"]
+    feature_scale, steps = second.mean(dim=2), optimizer.state[core]["step"].clone()
+    assert reproject_pair_(layer, x.T @ x) is not None
+    rescale_pair_moments(optimizer, layer)
+    assert torch.count_nonzero(optimizer.state[core]["exp_avg"]) == 0 and torch.equal(optimizer.state[core]["step"], steps)
+    assert torch.allclose(second.mean(dim=2), feature_scale) and torch.allclose(second, second[..., :1].expand_as(second))
+    before = [c.detach().clone() for c in layer.cores]
+    step()
+    moved = torch.cat([(c.detach() - b).abs().flatten() for c, b in zip(layer.cores, before)])
+    assert float(moved.mean()) < 0.5 * lr  # restarted moments move every entry by about lr
 
 
 class TrainedModel(TrainerCallback):
@@ -1324,11 +1360,33 @@ def test_a_training_checkpoints_legacy_layer_norm_names_are_read_as_the_model_na
 def test_a_loss_that_rose_with_nothing_to_show_for_it_is_named(before, after, ratio_after, warned):
     from comera_convert.training.run import regression
 
-    line = regression(before, after, 4.0, ratio_after, lr_cores=1e-3)
-    assert (line is not None) == warned
+    found = regression(before, after, 4.0, ratio_after, lr_cores=1e-3)
+    assert (found is not None) == warned
     if warned:
+        flag, line = found
+        assert flag == "held_out_loss_rose"
         assert line.startswith(f"training raised the held-out loss ({before:.4f} -> {after:.4f}) and kept the size")
         assert "--lr-cores (this run: 0.001)" in line and "\n" not in line
+
+
+@pytest.mark.parametrize("kept_before,kept_after,ratio_after,warned", [
+    (0.958, 0.096, 4.01, True),   # 2x -> 4x broken by a re-projection at the rate's peak (session 49)
+    (0.910, 0.036, 4.00, True),   # 3x -> 4x, the same
+    (0.958, 0.849, 4.01, False),  # 2x -> 4x at the default switch: quality traded for size (session 47)
+    (0.854, 0.777, 8.00, False),  # all-mpnet-base-v2 4x -> 8x
+    (0.958, 0.096, 2.00, False),  # nothing closed: the loss rule speaks for such runs
+    (None, None, 4.00, False),    # no retrieval measured (masked-LM training)
+])
+def test_a_target_run_whose_retrieval_collapsed_is_named(kept_before, kept_after, ratio_after, warned):
+    from comera_convert.training.run import collapse
+
+    found = collapse(kept_before, kept_after, 2.0, ratio_after)
+    assert (found is not None) == warned
+    if warned:
+        flag, line = found
+        assert flag == "held_out_retrieval_collapsed" and "\n" not in line
+        assert line.startswith(f"the run reached {ratio_after:.2f}x but its held-out retrieval fell from "
+                               f"{kept_before:.3f} to {kept_after:.3f} of the teacher's")
 
 
 def test_distillation_at_a_rate_that_raises_the_loss_warns_and_records_it(tmp_path, tokenizer, corpus, caplog):

@@ -5,14 +5,18 @@ A gate closes one rank-1 slice of a layer. Right after conversion those slices a
 singular directions, ordered by how much of the layer's output they carry on real inputs; training
 rotates the factors, and closing entries of a trained pair then drops directions chosen at the
 start. Re-projection puts each gated low-rank pair (a ``TTLinear`` of one bond) back into that
-order on the inputs it sees now, once, at the stage switch (the first rank cut, ``rank_cuts.py``;
-at every cut it measured worse: five restarts in a short late stage): the pair W = A diag(g) B
-is rewritten exactly as A' diag(sigma) B' (``tt.weighted.whitened_pair``), with the inputs' Gram
-matrix gathered from the training batches by forward hooks, one step in ``GRAM_EVERY``. The
-cores take sigma (square root on each side), the gates restart at 1, and AdamW's moments of the
-pair restart (its directions are new). The importance the budget closes entries by is redistributed over the new directions in proportion
-to sigma squared, the layer's total kept: the layers' shares of the budget stay as the gradients
-measured them, and inside a layer the weakest direction goes first until new gradients refine it.
+order on the inputs it sees now, once, at the stage switch (the first rank cut, ``rank_cuts.py``):
+the pair W = A diag(g) B is rewritten exactly as A' diag(sigma) B' (``tt.weighted.whitened_pair``),
+with the inputs' Gram matrix gathered from the training batches by forward hooks, one step in
+``GRAM_EVERY``. The cores take sigma, each direction's column and row of one norm
+(``tt.weighted.equal_norm_pair``), the gates restart at 1, and AdamW's state of the
+pair keeps its scale (``rescale_moments``): the first moment is forgotten (its directions are
+new), the second is averaged over the rank axis (the axis the new basis mixes), and the step count
+stays, where a restart would move every entry by the full rate (Adam's first steps are the
+gradient's sign). The importance the budget closes entries by is redistributed over the new
+directions in proportion to sigma squared, the layer's total kept: the layers' shares of the
+budget stay as the gradients measured them, and inside a layer the weakest direction goes first
+until new gradients refine it.
 """
 
 from __future__ import annotations
@@ -22,8 +26,7 @@ import logging
 import torch
 
 from ..layers import TTLinear
-from ..tt.weighted import input_factor, whitened_pair
-from .rank_cuts import rewrite_state
+from ..tt.weighted import equal_norm_pair, input_factor, whitened_pair
 
 logger = logging.getLogger("comera_convert.training")
 
@@ -61,10 +64,27 @@ class GramRecorder:
             handle.remove()
 
 
-def restart_moments(optimizer, params) -> None:
-    """Forget AdamW's moments (and its bias-correction step) for ``params``: their directions are new."""
-    for param in params:
-        rewrite_state(optimizer, param, torch.zeros_like, shaped_like_param=False)
+def rescale_moments(optimizer, param: torch.Tensor, rank_axis: int) -> None:
+    """AdamW's state of ``param`` after its ``rank_axis`` was rotated into a new basis: the first
+    moment is forgotten, the second moment becomes its mean over that axis (each input or output
+    feature keeps the scale of its gradients, every new direction gets the average one), and the
+    step count is kept, so the next steps move as far as the last ones did."""
+    state = optimizer.state.get(param) if optimizer is not None else None
+    if not state:
+        return
+    if torch.is_tensor(state.get("exp_avg")):
+        state["exp_avg"].zero_()
+    second = state.get("exp_avg_sq")
+    if torch.is_tensor(second) and second.shape == param.shape:
+        second.copy_(second.mean(dim=rank_axis, keepdim=True).expand_as(second))
+
+
+def rescale_pair_moments(optimizer, module: TTLinear) -> None:
+    """``rescale_moments`` for a re-projected pair: the rank is the last axis of the first core,
+    the first axis of the second core, and the gate's only axis."""
+    rescale_moments(optimizer, module.cores[0], rank_axis=module.cores[0].dim() - 1)
+    rescale_moments(optimizer, module.cores[1], rank_axis=0)
+    rescale_moments(optimizer, module.gates[0], rank_axis=0)
 
 
 @torch.no_grad()
@@ -76,8 +96,10 @@ def reproject_pair_(module: TTLinear, gram: torch.Tensor) -> torch.Tensor | None
     left = module.cores[0].reshape(module.in_features, -1) * module.gates[0]
     right = module.cores[1].reshape(-1, module.out_features)
     ordered, sigma, rows = whitened_pair(left, right, input_factor(gram)[0])
-    root = sigma.clamp_min(0).sqrt()
-    first, second = ordered * root, root[:, None] * rows
+    # sigma grows with the tokens the Gram sums, and ordered's columns shrink with them: split
+    # evenly by sigma's root, the first core came out 50x smaller than the second on MiniLM, and
+    # AdamW's steps, one size on both, moved it by a fifth a step (the loss tripled at once).
+    first, second = equal_norm_pair(ordered * sigma, rows)
     if not (torch.isfinite(first).all() and torch.isfinite(second).all()):
         return None
     module.cores[0].copy_(first.reshape(module.cores[0].shape))
@@ -99,7 +121,7 @@ def reproject(controller, optimizer, recorder: GramRecorder, step: int) -> int:
         if sigma is None:
             kept.append(name)
             continue
-        restart_moments(optimizer, [module.cores[0], module.cores[1], module.gates[0]])
+        rescale_pair_moments(optimizer, module)
         scores = controller.importance[index][0]
         energy = sigma.to(scores).square()
         controller.importance[index][0] = scores.sum() * energy / energy.sum().clamp_min(1e-30)

@@ -43,6 +43,11 @@ SCHEDULERS = {"constant": "constant_with_warmup", "linear": "linear", "cosine": 
 READ_AHEAD = 4
 # A ratio that moved less than this share kept the model's size: a loss that rose bought nothing.
 SAME_SIZE = 0.005
+# A run that closed ranks and ends keeping less than this share of the held-out retrieval it started
+# with broke rather than traded quality for size: the --target-ratio runs that worked kept 0.89 to
+# 0.92 of their start (MiniLM 2x -> 4x and 4x -> 8x, all-mpnet-base-v2 4x -> 8x), the two that a
+# re-projection at the rate's peak broke kept 0.04 and 0.10 (BENCHMARKS.md, sessions 47 and 49).
+KEPT_WHEN_BROKEN = 0.5
 
 
 @dataclass
@@ -68,8 +73,11 @@ class TrainResult:
     # One line each: what --objective auto picked, and why a --target-ratio was missed (None: reached).
     objective_note: str | None = None
     shortfall: str | None = None
-    # One line where a run that closed no rank ended on a higher held-out loss than it started from.
+    # One line where a run that closed no rank ended on a higher held-out loss than it started from,
+    # or one that closed ranks kept under KEPT_WHEN_BROKEN of its held-out retrieval; with the
+    # report's key for it (held_out_loss_rose, held_out_retrieval_collapsed).
     regression: str | None = None
+    regression_flag: str | None = None
     # The closed ranks cut out while training (rank_cuts.py): step, parameters stored before and after,
     # mean step seconds before and after.
     rank_cuts: list[dict] = field(default_factory=list)
@@ -475,27 +483,47 @@ def _result(out: Path, session: Session, steps: int, ratio_before: float, before
             pairs: int = 0) -> TrainResult:
     controller = session.controller
     ratio_after = controller.ratio()
+    flag, line = (regression(before[0], after[0], ratio_before, ratio_after, session.options.lr_cores)
+                  or collapse(before[2], after[2], ratio_before, ratio_after) or (None, None))
     return TrainResult(out=out, objective=session.objective, steps=steps, ratio_before=ratio_before,
                        ratio_after=ratio_after, held_out_before=before[0], held_out_after=after[0],
                        ranks=controller.ranks(), cosine_before=before[1], cosine_after=after[1],
                        task_before=before[2], task_after=after[2], task_pairs=pairs if before[2] is not None else 0,
                        target_ratio=session.options.target_ratio, objective_note=session.objective_note,
                        shortfall=controller.shortfall(steps), opened_layers=list(controller.opened),
-                       regression=regression(before[0], after[0], ratio_before, ratio_after,
-                                             session.options.lr_cores))
+                       regression=line, regression_flag=flag)
+
+
+def _shrank(ratio_before: float, ratio_after: float) -> bool:
+    return ratio_after > ratio_before * (1 + SAME_SIZE)
 
 
 def regression(before: float, after: float, ratio_before: float, ratio_after: float,
-               lr_cores: float) -> str | None:
-    """One line where a run that shrank nothing ends on a higher held-out loss than it started from
-    (nothing was traded for it: the model written keeps less than its start), with the usual cause;
-    None where the loss fell, or where ranks closed and the loss paid for the size."""
-    shrank = ratio_after > ratio_before * (1 + SAME_SIZE)
-    if shrank or not (after > before or math.isnan(after)):
+               lr_cores: float) -> tuple[str, str] | None:
+    """The report's flag and one line where a run that shrank nothing ends on a higher held-out loss
+    than it started from (nothing was traded for it: the model written keeps less than its start),
+    with the usual cause; None where the loss fell, or where ranks closed and the loss paid for the size."""
+    if _shrank(ratio_before, ratio_after) or not (after > before or math.isnan(after)):
         return None
-    return (f"training raised the held-out loss ({before:.4f} -> {after:.4f}) and kept the size: the model "
-            f"written likely keeps less than the one it started from; a smaller --lr-cores (this run: "
-            f"{lr_cores:g}) usually steadies it")
+    return "held_out_loss_rose", (
+        f"training raised the held-out loss ({before:.4f} -> {after:.4f}) and kept the size: the model "
+        f"written likely keeps less than the one it started from; a smaller --lr-cores (this run: "
+        f"{lr_cores:g}) usually steadies it")
+
+
+def collapse(kept_before: float | None, kept_after: float | None, ratio_before: float,
+             ratio_after: float) -> tuple[str, str] | None:
+    """The report's flag and one line where a run that closed ranks ends keeping less than
+    KEPT_WHEN_BROKEN of the held-out retrieval it started with (shares of the teacher's recall@1);
+    None where it kept more, closed nothing, or measured no retrieval."""
+    if kept_before is None or kept_after is None or not _shrank(ratio_before, ratio_after):
+        return None
+    if kept_after >= KEPT_WHEN_BROKEN * kept_before:
+        return None
+    return "held_out_retrieval_collapsed", (
+        f"the run reached {ratio_after:.2f}x but its held-out retrieval fell from {kept_before:.3f} to "
+        f"{kept_after:.3f} of the teacher's: the model written likely broke rather than traded quality for "
+        f"size; keep --reproject with the default stage switch, or lower --lr-cores")
 
 
 def _record(result: TrainResult, options: TrainOptions, cosines: bool) -> dict:
@@ -505,8 +533,8 @@ def _record(result: TrainResult, options: TrainOptions, cosines: bool) -> dict:
     if options.target_ratio is not None:
         record.update(target_ratio=options.target_ratio, ratio_reached=result.ratio_after,
                       target_reached=result.shortfall is None)
-    if result.regression:
-        record.update(held_out_loss_rose=True)
+    if result.regression_flag:
+        record[result.regression_flag] = True
     if result.rank_cuts:
         record.update(rank_cuts=result.rank_cuts)
     if result.opened_layers:

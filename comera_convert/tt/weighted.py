@@ -199,3 +199,13 @@ def whitened_pair(left: torch.Tensor, right: torch.Tensor, factor: torch.Tensor
     u, sigma, vh = torch.linalg.svd(small @ right, full_matrices=False)
     ordered_left = torch.linalg.solve_triangular(factor, q @ u, upper=True)
     return ordered_left.to(dtype), sigma.to(dtype), vh.to(dtype)
+
+
+def equal_norm_pair(left: torch.Tensor, right: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same product ``left @ right`` with each direction's column of ``left`` and row of
+    ``right`` of one Euclidean norm (the geometric mean of the two): factors stepped at one
+    learning rate then move at one relative pace. A direction that is zero on either side is kept."""
+    left_norms, right_norms = left.norm(dim=0), right.norm(dim=1)
+    scale = (right_norms / left_norms).sqrt()
+    scale = torch.where(torch.isfinite(scale) & (scale > 0), scale, torch.ones_like(scale))
+    return left * scale, right / scale[:, None]
