@@ -129,8 +129,7 @@ OPTION_NAMES = ["objective", "data", "steps", "minutes", "seq_len", "batch_size"
                    "[default: on; never under torchrun].")
 @click.option("--reproject/--no-reproject", default=None,
               help="At the stage switch, rewrite the low-rank pairs in the basis their inputs order, so "
-                   "--target-ratio closes the directions that carry least; keep the default switch (at an early one, "
-                   "at the rate's peak, it broke MiniLM runs) [default: off].")
+                   "--target-ratio closes the directions that carry least [default: off].")
 @click.option("--recipe", type=click.Path(dir_okay=False), default=None, help="A YAML training recipe.")
 @click.option("--out", type=click.Path(), required=True, help="Output directory (checkpoints go in out/checkpoints).")
 @click.option("--resume", is_flag=True, help="Resume from the last checkpoint in OUT/checkpoints.")
