@@ -1370,7 +1370,7 @@ def test_a_loss_that_rose_with_nothing_to_show_for_it_is_named(before, after, ra
 
 
 @pytest.mark.parametrize("kept_before,kept_after,ratio_after,warned", [
-    (0.958, 0.096, 4.01, True),   # 2x -> 4x broken by a re-projection at the rate's peak (session 49)
+    (0.958, 0.096, 4.01, True),   # 2x -> 4x broken by the lopsided re-projection (session 49)
     (0.910, 0.036, 4.00, True),   # 3x -> 4x, the same
     (0.958, 0.849, 4.01, False),  # 2x -> 4x at the default switch: quality traded for size (session 47)
     (0.854, 0.777, 8.00, False),  # all-mpnet-base-v2 4x -> 8x

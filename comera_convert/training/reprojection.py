@@ -98,7 +98,7 @@ def reproject_pair_(module: TTLinear, gram: torch.Tensor) -> torch.Tensor | None
     ordered, sigma, rows = whitened_pair(left, right, input_factor(gram)[0])
     # sigma grows with the tokens the Gram sums, and ordered's columns shrink with them: split
     # evenly by sigma's root, the first core came out 50x smaller than the second on MiniLM, and
-    # AdamW's steps, one size on both, moved it by a fifth a step (the loss tripled at once).
+    # AdamW's steps, one size on both, moved it by a large share of itself (the loss tripled).
     first, second = equal_norm_pair(ordered * sigma, rows)
     if not (torch.isfinite(first).all() and torch.isfinite(second).all()):
         return None
