@@ -700,6 +700,30 @@ def assert_trained_alike(first, second, atol: float) -> None:
     assert stages[0] == stages[1]
 
 
+def assert_took_the_same_course(start, first, second) -> None:
+    """Two runs of one training on two parallel layouts (DDP, FSDP) took the same course: the same
+    stage and size at every step, losses within rounding's reach, the same entries closed per bond
+    (shapes), and outputs that differ by a small share of what the training changed in them.
+
+    Not entry by entry, as ``assert_trained_alike``: FSDP sums the gradient norm over shards, so the
+    clip factor differs from DDP's in the fifth digit; AdamW at the test's gate rate (0.2) carries
+    that to the third digit of the gates by the first closure, and entries whose importance ties that
+    closely may close the other way round. The exported cores then hold other slices (a llama's
+    word table measured 0.17 apart entry by entry, its logits 1.3 % apart)."""
+    histories = [json.loads((run / "comera_history.json").read_text()) for run in (first, second)]
+    assert [(h["stage"], h["size"]) for h in histories[0]] == [(h["stage"], h["size"]) for h in histories[1]]
+    assert [h["loss"] for h in histories[0]] == pytest.approx([h["loss"] for h in histories[1]], rel=1e-3)
+    models = [comera_convert.from_pretrained(run).eval() for run in (start, first, second)]
+    shapes = [{k: v.shape for k, v in model.state_dict().items()} for model in models[1:]]
+    assert shapes[0] == shapes[1]
+    torch.manual_seed(0)
+    ids = torch.randint(5, 1000, (4, 24))
+    with torch.no_grad():
+        before, one, two = (model(input_ids=ids, output_hidden_states=True).hidden_states[-1] for model in models)
+    # An unsynchronised gate or gradient moves the outputs by a large share of the training's change.
+    assert (one - two).norm() < 0.05 * (one - before).norm()
+
+
 def test_training_from_an_integer_checkpoint_exports_integers_and_checkpoints_floats(tmp_path, tokenizer, corpus):
     from safetensors import safe_open
 
@@ -901,9 +925,9 @@ def test_two_process_ddp_and_fsdp_over_gloo_train_alike(tmp_path, tokenizer, cor
     path, ddp = ddp_run(tmp_path, tokenizer, corpus, case, objective)
     fsdp = json.loads(torchrun(*train_command(path, corpus, tmp_path / "fsdp", objective, "--fsdp")))
     assert fsdp["shortfall"] is None and fsdp["ratio_after"] == pytest.approx(ddp["ratio_after"])
-    # The same batches and the same averaged gradients: the same entries closed, the same values
-    # up to the order of the sums (reduce-scatter against all-reduce).
-    assert_trained_alike(tmp_path / "ddp", tmp_path / "fsdp", atol=1e-4)
+    # The same batches and the same averaged gradients, up to the order of the sums (reduce-scatter
+    # against all-reduce), which near-ties in the closures may carry into the exported cores.
+    assert_took_the_same_course(path, tmp_path / "ddp", tmp_path / "fsdp")
     checkpoint = tmp_path / "fsdp" / "checkpoints" / "checkpoint-6"
     assert (checkpoint / "optimizer_sharded").is_dir() and (checkpoint / "scheduler.pt").is_file()
     assert sorted(p.name for p in checkpoint.glob("rng_state_*.pth")) == ["rng_state_0.pth", "rng_state_1.pth"]
