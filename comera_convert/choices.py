@@ -25,6 +25,10 @@ DISTILL_STATES = ("relative-mse", "cosine")
 # a decaying rate ends distillation on a settled model instead of a noisy iterate.
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 
+# When `comera train --reproject` rewrites the low-rank pairs: once at the stage switch, or at the
+# switch and at every later rank cut.
+REPROJECT_AT = ("switch", "cuts")
+
 # `comera bench`'s cases, and the models whose training step it times (random weights, each with
 # its language-model head): bert-base as a masked LM, CoMERA's pre-training setting, and
 # TinyLlama's shape as a causal LM, the size where the linears' GEMMs, not the host, dominate a

@@ -1325,19 +1325,28 @@ class TrainedModel(TrainerCallback):
         self.model = model
 
 
-def test_reprojection_at_the_switch_reaches_the_target(tmp_path, tokenizer, corpus, monkeypatch):
+@pytest.mark.parametrize("when,times", [("switch", 1), ("cuts", 5)])  # the switch, then each quarter
+def test_reprojection_reaches_the_target(tmp_path, tokenizer, corpus, monkeypatch, when, times):
     from comera_convert.training import trainer as trainer_module
 
     path = compressed(tmp_path, tokenizer, rank=16)
     ratio = _dense_params(path) / count_params(comera_convert.from_pretrained(path))
-    calls = []
+    calls, grams = [], []
     real = trainer_module.reproject
-    monkeypatch.setattr(trainer_module, "reproject", lambda *args: calls.append(real(*args)) or calls[-1])
-    options = TrainOptions(objective="mlm", data=str(corpus), reproject=True,
-                           **{**TARGET, "target_ratio": round(1.5 * ratio, 2)})
+
+    def counted(controller, optimizer, recorder, step):
+        grams.append(len(recorder.grams))
+        calls.append(real(controller, optimizer, recorder, step))
+        return calls[-1]
+
+    monkeypatch.setattr(trainer_module, "reproject", counted)
+    monkeypatch.setattr(trainer_module, "GRAM_EVERY", 1)  # the cuts of a 16-step run are a step or two apart
+    options = TrainOptions(objective="mlm", data=str(corpus), reproject=True, reproject_at=when,
+                           **{**TARGET, "target_ratio": round(1.5 * ratio, 2), "budget_share": 0.5})
     watch = TrainedModel()
     result = train(str(path), options, tmp_path / "out", callbacks=[watch])
-    assert result.shortfall is None and len(calls) == 1 and calls[0] > 0  # once, at the switch
+    assert result.shortfall is None and len(calls) == times and all(done > 0 for done in calls)
+    assert all(count > 0 for count in grams)  # each re-projection ordered by Grams gathered since the last
     layers = [m for m in watch.model.modules() if isinstance(m, comera_convert.TTLinear)]
     assert layers and not any(m._forward_pre_hooks for m in layers)  # the Gram hooks are gone
     trained = comera_convert.from_pretrained(tmp_path / "out")
@@ -1348,6 +1357,31 @@ def test_reprojection_at_the_switch_reaches_the_target(tmp_path, tokenizer, corp
 def test_reprojection_without_a_target_or_without_cuts_is_refused(options):
     with pytest.raises(ConfigError, match="--reproject orders the directions a --target-ratio budget closes"):
         TrainOptions(**options)
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(target_ratio=4.0, reproject_at="cuts"), "--reproject-at cuts says when --reproject rewrites the pairs"),
+    (dict(target_ratio=4.0, reproject=True, reproject_at="always"), r"reproject_at in \('switch', 'cuts'\) \(got 'always'\)"),
+    (dict(target_ratio=4.0, budget_share=0), r"budget_share in \(0, 1\] \(got 0\)"),
+    (dict(target_ratio=4.0, budget_share=1.5), r"budget_share in \(0, 1\] \(got 1.5\)")])
+def test_a_reprojection_schedule_or_budget_share_out_of_range_is_refused(options, message):
+    with pytest.raises(ConfigError, match=message):
+        TrainOptions(**options)
+
+
+@pytest.mark.parametrize("share", [0.25, 1.0])
+def test_the_budget_reaches_the_target_over_its_share_of_the_late_stage(tmp_path, tokenizer, corpus, share):
+    path = compressed(tmp_path, tokenizer, ratio=2)
+    result = train(str(path), TrainOptions(objective="mlm", data=str(corpus), budget_share=share, **TARGET),
+                   tmp_path / "out")
+    assert result.shortfall is None
+    history = json.loads((tmp_path / "out" / "comera_history.json").read_text())
+    switch = next(h["step"] for h in history if h["stage"] == "late")
+    reached = next(h["step"] for h in history if h["ratio"] >= TARGET["target_ratio"])
+    # The budget falls to the target over its share of the late stage (its last step may land a
+    # closure early: entries close whole).
+    end = switch + math.ceil(share * (TARGET["steps"] - switch))
+    assert end - 1 <= reached <= end
 
 
 def test_resume_on_a_torch_whose_optimizer_state_transformers_will_not_read_is_one_line(

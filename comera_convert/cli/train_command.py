@@ -6,7 +6,7 @@ import time
 
 import click
 
-from ..choices import DISTILL_MODES, DISTILL_STATES, LR_SCHEDULERS, OBJECTIVES
+from ..choices import DISTILL_MODES, DISTILL_STATES, LR_SCHEDULERS, OBJECTIVES, REPROJECT_AT
 from . import main
 from .commands import command_line
 from .console import console, echo_json, progress_console, show_library_logs
@@ -64,7 +64,7 @@ OPTION_NAMES = ["objective", "data", "steps", "minutes", "seq_len", "batch_size"
                 "lr_cores", "lr_gates", "lr_rest", "beta", "tau", "rank_multiple", "early_steps", "target_ratio",
                 "teacher", "distill_mode", "distill_states", "logging_steps", "save_steps", "seed", "warmup_steps",
                 "lr_scheduler_type", "dropout", "document_starts", "start_min_tokens", "gradient_checkpointing",
-                "bf16", "compile", "fsdp", "cut_ranks", "reproject"]
+                "bf16", "compile", "fsdp", "cut_ranks", "reproject", "reproject_at", "budget_share"]
 
 
 @main.command()
@@ -81,6 +81,9 @@ OPTION_NAMES = ["objective", "data", "steps", "minutes", "seq_len", "batch_size"
 @click.option("--target-ratio", type=float, default=None,
               help="Whole-model ratio to reach by the end: ranks close by importance over the late stage "
                    "(scheduled in steps, or with --minutes in the time spent).")
+@click.option("--budget-share", type=float, default=None,
+              help="Share of the late stage over which --target-ratio closes ranks; the rest trains at "
+                   "the final ranks [default: 0.75].")
 @click.option("--seq-len", type=int, default=None, help="Tokens per packed block [default: 128].")
 @click.option("--per-device-train-batch-size", "--batch-size", "batch_size", type=int, default=None,
               help="Blocks per step and device [default: 8].")
@@ -130,6 +133,9 @@ OPTION_NAMES = ["objective", "data", "steps", "minutes", "seq_len", "batch_size"
 @click.option("--reproject/--no-reproject", default=None,
               help="At the stage switch, rewrite the low-rank pairs in the basis their inputs order, so "
                    "--target-ratio closes the directions that carry least [default: off].")
+@click.option("--reproject-at", type=click.Choice(REPROJECT_AT), default=None,
+              help="Re-project once at the switch, or at the switch and at every later rank cut "
+                   "[default: switch].")
 @click.option("--recipe", type=click.Path(dir_okay=False), default=None, help="A YAML training recipe.")
 @click.option("--out", type=click.Path(), required=True, help="Output directory (checkpoints go in out/checkpoints).")
 @click.option("--resume", is_flag=True, help="Resume from the last checkpoint in OUT/checkpoints.")

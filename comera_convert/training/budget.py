@@ -21,8 +21,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-# Share of the late stage over which the budget falls to the target; the remaining quarter trains
-# the cores at the final ranks (AdaLoRA holds the final budget for its last steps too).
+# Default share of the late stage over which the budget falls to the target (--budget-share); the
+# remaining quarter trains the cores at the final ranks (AdaLoRA holds the final budget for its last
+# steps too).
 SCHEDULE_SHARE = 0.75
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-from ..choices import DISTILL_MODES, DISTILL_STATES, LR_SCHEDULERS, OBJECTIVES
+from ..choices import DISTILL_MODES, DISTILL_STATES, LR_SCHEDULERS, OBJECTIVES, REPROJECT_AT
 from ..errors import ConfigError, expected
 from ..option_files import from_mapping
 
@@ -87,6 +87,9 @@ class TrainOptions:
     # target_fraction of the TT size at the switch (CoMERA: 0.2).
     target_ratio: float | None = None
     target_fraction: float = 0.2
+    # Share of the late stage over which a --target-ratio budget falls to the target; the rest trains
+    # at the final ranks. None: budget.SCHEDULE_SHARE.
+    budget_share: float | None = None
     # Late stage target loss L0; None = the (smoothed) loss at the switch.
     target_loss: float | None = None
     # Weight of the weighted-sum term L + beta * R added to the min-max step in the late stage.
@@ -135,6 +138,9 @@ class TrainOptions:
     # At the stage switch, rewrite every gated low-rank pair in the basis its inputs order (whitened
     # SVD of the trained pair, reprojection.py), so the budget closes the directions that carry least.
     reproject: bool = False
+    # When --reproject rewrites the pairs: "switch" (once) or "cuts" (at the switch and at every later
+    # rank cut, the Gram matrices gathered afresh in between).
+    reproject_at: str = "switch"
     max_eval_blocks: int = 64
     version: int = 1
 
@@ -185,6 +191,14 @@ class TrainOptions:
         if self.reproject and (self.target_ratio is None or not self.cut_ranks):
             raise ConfigError("--reproject orders the directions a --target-ratio budget closes, at the rank "
                               "cuts: it needs --target-ratio and the cuts (drop --no-cut-ranks)")
+        if self.budget_share is not None and (isinstance(self.budget_share, bool) or not isinstance(
+                self.budget_share, (int, float)) or not 0 < self.budget_share <= 1):
+            raise ConfigError(expected("budget_share in (0, 1]", self.budget_share))
+        if self.reproject_at not in REPROJECT_AT:
+            raise ConfigError(expected(f"reproject_at in {REPROJECT_AT}", self.reproject_at))
+        if self.reproject_at != "switch" and not self.reproject:
+            raise ConfigError(f"--reproject-at {self.reproject_at} says when --reproject rewrites the pairs: "
+                              "add --reproject")
         if not 0 < self.target_fraction <= 1:
             raise ConfigError(expected("target_fraction in (0, 1]", self.target_fraction))
         if self.target_ratio is not None and (not isinstance(self.target_ratio, (int, float))

@@ -34,7 +34,7 @@ from ..errors import ComeraError
 from ..layers import TTModule
 from .objectives import task_loss
 from .rank_control import RankController, RankState
-from .rank_cuts import cut_closed_ranks, points_reached
+from .rank_cuts import CUT_POINTS, cut_closed_ranks, points_reached
 from .reprojection import GRAM_EVERY, GramRecorder, reproject
 from .wall_clock import WallClock, wall_time_scheduler
 
@@ -98,8 +98,10 @@ class ComeraTrainer(Trainer):
         if comera_options.cut_ranks and not self.cuts_ranks:
             logger.info("under torchrun closed ranks stay masks while training (DDP and FSDP keep their "
                         "shapes); the export is cut to the open ranks")
-        # --reproject: the gated pairs' input Gram matrices, from one step in GRAM_EVERY until the switch.
+        # --reproject: the gated pairs' input Gram matrices, from one step in GRAM_EVERY until the switch
+        # (the first of CUT_POINTS), or with --reproject-at cuts until the last.
         self.grams = GramRecorder(controller.modules) if comera_options.reproject and self.cuts_ranks else None
+        self.last_reprojection = len(CUT_POINTS) if comera_options.reproject_at == "cuts" else 1
         self.add_callback(RankCallback(self))
 
     # -- optimizer ------------------------------------------------------------------------------------
@@ -134,16 +136,18 @@ class ComeraTrainer(Trainer):
             controller.state.cuts.append(cut.to_dict())
             if self.history:  # the history JSON marks the step it followed
                 self.history[-1]["rank_cut"] = cut.to_dict()
-        if self.grams is not None:  # --reproject: once, at the switch (at every cut it measured worse)
+        if self.grams is not None:  # --reproject: at the switch, and with --reproject-at cuts at every cut
             reproject(controller, self.optimizer, self.grams, step)
-            self.grams.remove()
-            self.grams = None
+            self.grams.grams.clear()  # the next re-projection orders by the inputs after this one
+            if reached >= self.last_reprojection:
+                self.grams.remove()
+                self.grams = None
 
     # -- loss -------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if self.grams is not None:
+        if self.grams is not None:  # until the switch (or with --reproject-at cuts, the last cut)
             self.grams.active = (model.training and self.state.global_step % GRAM_EVERY == 0
-                                 and self.controller.state.cut_points == 0)  # a resumed run past its switch: none
+                                 and self.controller.state.cut_points < self.last_reprojection)
         loss = task_loss(self.objective, model, inputs, self.teacher,
                          blockwise=self.comera_options.distill_mode == "block-wise",
                          states=self.comera_options.distill_states)
