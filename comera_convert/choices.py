@@ -29,6 +29,10 @@ LR_SCHEDULERS = ("constant", "linear", "cosine")
 # switch and at every later rank cut.
 REPROJECT_AT = ("switch", "cuts")
 
+# The late stage's loss under a --target-ratio budget: CoMERA's min-max of task loss and rank
+# surrogate, or the task loss with the early stage's small rank term (the budget alone sets the size).
+LATE_OBJECTIVES = ("min-max", "task")
+
 # `comera bench`'s cases, and the models whose training step it times (random weights, each with
 # its language-model head): bert-base as a masked LM, CoMERA's pre-training setting, and
 # TinyLlama's shape as a causal LM, the size where the linears' GEMMs, not the host, dominate a

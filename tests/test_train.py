@@ -1363,10 +1363,28 @@ def test_reprojection_without_a_target_or_without_cuts_is_refused(options):
     (dict(target_ratio=4.0, reproject_at="cuts"), "--reproject-at cuts says when --reproject rewrites the pairs"),
     (dict(target_ratio=4.0, reproject=True, reproject_at="always"), r"reproject_at in \('switch', 'cuts'\) \(got 'always'\)"),
     (dict(target_ratio=4.0, budget_share=0), r"budget_share in \(0, 1\] \(got 0\)"),
+    (dict(target_ratio=4.0, late_objective="size"), r"late_objective in \('min-max', 'task'\) \(got 'size'\)"),
     (dict(target_ratio=4.0, budget_share=1.5), r"budget_share in \(0, 1\] \(got 1.5\)")])
 def test_a_reprojection_schedule_or_budget_share_out_of_range_is_refused(options, message):
     with pytest.raises(ConfigError, match=message):
         TrainOptions(**options)
+
+
+@pytest.mark.parametrize("late_objective", ["min-max", "task"])
+def test_below_the_switch_loss_min_max_steps_on_the_ranks_and_task_on_the_task(tmp_path, tokenizer, late_objective):
+    model = comera_convert.from_pretrained(compressed(tmp_path, tokenizer, ratio=2))
+    options = TrainOptions(steps=10, early_steps=4, target_ratio=3.0, late_objective=late_objective,
+                           beta=0.01).for_objective("mlm")
+    controller = RankController(model, options, dense_params=_dense_params(tmp_path / "tt"))
+    controller.observe_loss(3.0)
+    controller.switch(4)
+    below = torch.tensor(2.0)  # under the switch's loss, at the budget's size
+    surrogate = float(controller.surrogate())
+    if late_objective == "min-max":  # the rank surrogate, the task loss at a tenth
+        expected = surrogate + options.late_weighted_sum * (2.0 + options.beta * surrogate)
+    else:
+        expected = 2.0 + options.beta * surrogate
+    assert float(controller.objective(below)) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize("share", [0.25, 1.0])

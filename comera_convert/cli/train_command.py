@@ -6,7 +6,7 @@ import time
 
 import click
 
-from ..choices import DISTILL_MODES, DISTILL_STATES, LR_SCHEDULERS, OBJECTIVES, REPROJECT_AT
+from ..choices import DISTILL_MODES, DISTILL_STATES, LATE_OBJECTIVES, LR_SCHEDULERS, OBJECTIVES, REPROJECT_AT
 from . import main
 from .commands import command_line
 from .console import console, echo_json, progress_console, show_library_logs
@@ -64,7 +64,7 @@ OPTION_NAMES = ["objective", "data", "steps", "minutes", "seq_len", "batch_size"
                 "lr_cores", "lr_gates", "lr_rest", "beta", "tau", "rank_multiple", "early_steps", "target_ratio",
                 "teacher", "distill_mode", "distill_states", "logging_steps", "save_steps", "seed", "warmup_steps",
                 "lr_scheduler_type", "dropout", "document_starts", "start_min_tokens", "gradient_checkpointing",
-                "bf16", "compile", "fsdp", "cut_ranks", "reproject", "reproject_at", "budget_share"]
+                "bf16", "compile", "fsdp", "cut_ranks", "reproject", "reproject_at", "budget_share", "late_objective"]
 
 
 @main.command()
@@ -81,6 +81,9 @@ OPTION_NAMES = ["objective", "data", "steps", "minutes", "seq_len", "batch_size"
 @click.option("--target-ratio", type=float, default=None,
               help="Whole-model ratio to reach by the end: ranks close by importance over the late stage "
                    "(scheduled in steps, or with --minutes in the time spent).")
+@click.option("--late-objective", type=click.Choice(LATE_OBJECTIVES), default=None,
+              help="The late stage's loss under --target-ratio: CoMERA's min-max of task loss and rank "
+                   "surrogate, or the task loss alone (the budget sets the size) [default: min-max].")
 @click.option("--budget-share", type=float, default=None,
               help="Share of the late stage over which --target-ratio closes ranks; the rest trains at "
                    "the final ranks [default: 0.75].")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-from ..choices import DISTILL_MODES, DISTILL_STATES, LR_SCHEDULERS, OBJECTIVES, REPROJECT_AT
+from ..choices import DISTILL_MODES, DISTILL_STATES, LATE_OBJECTIVES, LR_SCHEDULERS, OBJECTIVES, REPROJECT_AT
 from ..errors import ConfigError, expected
 from ..option_files import from_mapping
 
@@ -92,6 +92,10 @@ class TrainOptions:
     budget_share: float | None = None
     # Late stage target loss L0; None = the (smoothed) loss at the switch.
     target_loss: float | None = None
+    # The late stage's loss with a --target-ratio budget (choices.LATE_OBJECTIVES). min-max steps on
+    # the rank surrogate whenever the task loss is below L0, which holds the task loss near the
+    # switch's while the budget already sets the size; task trains on the task loss (+ beta * R).
+    late_objective: str = "min-max"
     # Weight of the weighted-sum term L + beta * R added to the min-max step in the late stage.
     late_weighted_sum: float = 0.1
     # Weight of the rank surrogate when size is the worse-off objective in the late stage.
@@ -194,6 +198,8 @@ class TrainOptions:
         if self.budget_share is not None and (isinstance(self.budget_share, bool) or not isinstance(
                 self.budget_share, (int, float)) or not 0 < self.budget_share <= 1):
             raise ConfigError(expected("budget_share in (0, 1]", self.budget_share))
+        if self.late_objective not in LATE_OBJECTIVES:
+            raise ConfigError(expected(f"late_objective in {LATE_OBJECTIVES}", self.late_objective))
         if self.reproject_at not in REPROJECT_AT:
             raise ConfigError(expected(f"reproject_at in {REPROJECT_AT}", self.reproject_at))
         if self.reproject_at != "switch" and not self.reproject:

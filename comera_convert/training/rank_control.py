@@ -458,7 +458,8 @@ class RankController:
         """The loss to minimize this step, by stage."""
         beta = self.options.beta
         surrogate = self.surrogate()
-        if self.state.stage == EARLY:
+        budgeted = self.options.target_ratio is not None and self.options.late_objective == "task"
+        if self.state.stage == EARLY or budgeted:
             return task_loss + beta * surrogate
         loss_value = float(task_loss.detach())
         size = self.size()
