@@ -1364,8 +1364,10 @@ def test_reprojection_without_a_target_or_without_cuts_is_refused(options):
     (dict(target_ratio=4.0, reproject=True, reproject_at="always"), r"reproject_at in \('switch', 'cuts'\) \(got 'always'\)"),
     (dict(target_ratio=4.0, budget_share=0), r"budget_share in \(0, 1\] \(got 0\)"),
     (dict(target_ratio=4.0, late_objective="size"), r"late_objective in \('min-max', 'task'\) \(got 'size'\)"),
-    (dict(target_ratio=4.0, budget_share=1.5), r"budget_share in \(0, 1\] \(got 1.5\)")])
-def test_a_reprojection_schedule_or_budget_share_out_of_range_is_refused(options, message):
+    (dict(target_ratio=4.0, budget_share=1.5), r"budget_share in \(0, 1\] \(got 1.5\)"),
+    (dict(late_objective="task"), r"--late-objective shapes the size budget of --target-ratio: add"),
+    (dict(budget_share=0.2), r"--budget-share shapes the size budget of --target-ratio: add")])
+def test_budget_and_reprojection_settings_out_of_range_or_without_a_target_are_refused(options, message):
     with pytest.raises(ConfigError, match=message):
         TrainOptions(**options)
 

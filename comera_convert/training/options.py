@@ -200,6 +200,13 @@ class TrainOptions:
             raise ConfigError(expected("budget_share in (0, 1]", self.budget_share))
         if self.late_objective not in LATE_OBJECTIVES:
             raise ConfigError(expected(f"late_objective in {LATE_OBJECTIVES}", self.late_objective))
+        budget_only = [f"--{name.replace('_', '-')}" for name, on in
+                       (("budget_share", self.budget_share is not None), ("late_objective", self.late_objective != "min-max"))
+                       if on]
+        if budget_only and self.target_ratio is None:
+            verb = "shape" if len(budget_only) > 1 else "shapes"
+            raise ConfigError(f"{' and '.join(budget_only)} {verb} the size budget of --target-ratio: add "
+                              "--target-ratio (without it the late stage's min-max sets the size)")
         if self.reproject_at not in REPROJECT_AT:
             raise ConfigError(expected(f"reproject_at in {REPROJECT_AT}", self.reproject_at))
         if self.reproject_at != "switch" and not self.reproject:
