@@ -200,9 +200,8 @@ class TrainOptions:
             raise ConfigError(expected("budget_share in (0, 1]", self.budget_share))
         if self.late_objective not in LATE_OBJECTIVES:
             raise ConfigError(expected(f"late_objective in {LATE_OBJECTIVES}", self.late_objective))
-        budget_only = [f"--{name.replace('_', '-')}" for name, on in
-                       (("budget_share", self.budget_share is not None), ("late_objective", self.late_objective != "min-max"))
-                       if on]
+        budget_only = [flag for flag, given in (("--budget-share", self.budget_share is not None),
+                                                ("--late-objective", self.late_objective != "min-max")) if given]
         if budget_only and self.target_ratio is None:
             verb = "shape" if len(budget_only) > 1 else "shapes"
             raise ConfigError(f"{' and '.join(budget_only)} {verb} the size budget of --target-ratio: add "
