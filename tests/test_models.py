@@ -1,0 +1,41 @@
+"""Model names: aliases resolve to what the user means, and load from the local Hugging Face cache."""
+
+import json
+
+import huggingface_hub.constants
+import pytest
+
+from comera_convert.errors import ModelLoadError
+from comera_convert.models import read_config, resolve
+
+
+def _cached_model(cache, repo_id, config):
+    """A hub id's config.json laid out as the Hugging Face cache holds a downloaded model."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0123abc")
+    snapshot = repo / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("alias", ["mpnet", "all-mpnet-base-v2"])
+def test_the_mpnet_aliases_read_sentence_transformers_model_from_the_cache(alias, tmp_path, monkeypatch):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    _cached_model(tmp_path, "sentence-transformers/all-mpnet-base-v2", {"model_type": "mpnet", "hidden_size": 768})
+    assert read_config(resolve(alias)) == {"model_type": "mpnet", "hidden_size": 768}
+
+
+def test_an_alias_missing_from_the_cache_says_so_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelLoadError, match="sentence-transformers/all-mpnet-base-v2.*offline"):
+        read_config(resolve("mpnet"))
+
+
+def test_a_local_directory_wins_over_an_alias(tmp_path, monkeypatch):
+    (tmp_path / "mpnet").mkdir()
+    (tmp_path / "mpnet" / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    assert resolve("mpnet") == "mpnet"
