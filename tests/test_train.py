@@ -1069,8 +1069,8 @@ def test_a_target_beyond_the_gates_opens_the_dense_layers_of_the_blocks_and_is_r
 
 def test_a_run_stopped_before_its_schedule_ends_says_it_missed_the_target(tmp_path, tokenizer, corpus):
     path = compressed(tmp_path, tokenizer, ratio=2)
-    result = train(str(path), TrainOptions(objective="mlm", data=str(corpus), **TARGET), tmp_path / "out",
-                   callbacks=[StopAt(7)])
+    result = train(str(path), TrainOptions(objective="mlm", data=str(corpus), **TARGET, budget_share=0.75),
+                   tmp_path / "out", callbacks=[StopAt(7)])  # the budget falls from step 1 to step 13
     assert result.ratio_before < result.ratio_after < 4.0 * 0.98
     assert re.fullmatch(r"target ratio 4x missed: reached \d\.\d\dx, the run stopped at step 7 before its budget "
                         r"schedule's end \(step 13\): resume it \(--resume\) or train longer", result.shortfall)
@@ -1079,12 +1079,13 @@ def test_a_run_stopped_before_its_schedule_ends_says_it_missed_the_target(tmp_pa
 
 
 def _timed_controller(tmp_path, tokenizer, spent_seconds: float):
-    """A controller of a --ratio 2 model for a 1-minute run of 1000 steps to 4x, its clock at ``spent_seconds``."""
+    """A controller of a --ratio 2 model for a 1-minute run of 1000 steps to 4x on CoMERA's schedule (the switch at
+    two thirds, the budget over three quarters of the rest), its clock at ``spent_seconds``."""
     from comera_convert.training.rank_control import RankController
     from comera_convert.training.wall_clock import WallClock
 
     path = compressed(tmp_path, tokenizer, ratio=2)
-    options = TrainOptions(steps=1000, minutes=1, target_ratio=4.0).for_objective("mlm")
+    options = TrainOptions(steps=1000, minutes=1, target_ratio=4.0, early_steps=666, budget_share=0.75).for_objective("mlm")
     controller = RankController(comera_convert.from_pretrained(path), options, _dense_params(path))
     controller.clock = WallClock(options.minutes)
     controller.clock.already = spent_seconds
@@ -1114,7 +1115,7 @@ def test_a_target_beyond_a_quarter_of_each_rank_lowers_the_floors_just_enough(tm
 def test_with_minutes_the_stage_switch_and_the_budget_follow_the_time_spent(tmp_path, tokenizer):
     controller = _timed_controller(tmp_path, tokenizer, spent_seconds=30)
     assert not controller.should_switch(10)  # half the time, a hundredth of the steps: still early
-    controller.clock.already = 40.5  # past two thirds of the minute (the default early share)
+    controller.clock.already = 40.5  # past two thirds of the minute (the early share)
     assert controller.should_switch(10)
     controller.switch(10)
     assert controller.state.switch_progress == pytest.approx(0.675)
@@ -1153,7 +1154,8 @@ def test_a_target_ratio_is_reached_in_minutes(tmp_path, tokenizer, corpus):
     assert 4.0 <= _dense_params(path) / count_params(comera_convert.from_pretrained(tmp_path / "out")) <= 4.0 * 1.02
     history = json.loads((tmp_path / "out" / "comera_history.json").read_text())
     switch = next(h for h in history if h["stage"] == "late")
-    assert switch["seconds"] >= 0.6 * 6 and history[-1]["seconds"] >= 6  # at two thirds of the six seconds
+    # At 5 % of the six seconds, long before 5 % of the steps (the default early share with a target).
+    assert switch["seconds"] >= 0.05 * 6 and switch["step"] < 0.05 * steps and history[-1]["seconds"] >= 6
     assert history[-1]["budget_ratio"] == pytest.approx(4.0, rel=0.02)
 
 
@@ -1230,8 +1232,17 @@ def test_unset_options_take_their_objectives_defaults_and_set_ones_stay():
     assert (distill.lr_cores, distill.lr_rest, distill.warmup_steps, distill.document_starts) == (3e-4, 1e-4, 20, 0.0)
     # Without a target, distillation keeps the size: no late stage, no size term. With one, CoMERA's stages.
     assert (distill.beta, distill.early_steps) == (0.0, 200)
+    # With one, the late stage starts after 5 %, trains on the task loss, closes the ranks over its
+    # first 15 % and re-projects the pairs at the switch; CoMERA's schedule where chosen.
     compressing = TrainOptions(steps=300, target_ratio=4).for_objective("distill", encoder=True)
-    assert (compressing.beta, compressing.early_steps, compressing.document_starts) == (0.01, 200, 0.5)
+    assert (compressing.beta, compressing.early_steps, compressing.document_starts) == (0.01, 15, 0.5)
+    assert (compressing.late_objective, compressing.budget_share, compressing.reproject) == ("task", 0.15, True)
+    comera = TrainOptions(steps=300, target_ratio=4, early_steps=200, late_objective="min-max", budget_share=0.75,
+                          reproject=False).for_objective("mlm")
+    assert (comera.early_steps, comera.late_objective, comera.budget_share, comera.reproject) == (200, "min-max", 0.75, False)
+    uncut = TrainOptions(steps=300, target_ratio=4, cut_ranks=False).for_objective("mlm")
+    assert uncut.reproject is False  # re-projection rewrites the pairs at the cuts
+    assert (mlm.late_objective, mlm.budget_share, mlm.reproject) == (None, None, False)
     assert not TrainOptions().resolved and mlm.resolved
 
 
@@ -1360,7 +1371,7 @@ def test_reprojection_without_a_target_or_without_cuts_is_refused(options):
 
 
 @pytest.mark.parametrize("options,message", [
-    (dict(target_ratio=4.0, reproject_at="cuts"), "--reproject-at cuts says when --reproject rewrites the pairs"),
+    (dict(target_ratio=4.0, reproject=False, reproject_at="cuts"), "--reproject-at cuts says when --reproject rewrites the pairs"),
     (dict(target_ratio=4.0, reproject=True, reproject_at="always"), r"reproject_at in \('switch', 'cuts'\) \(got 'always'\)"),
     (dict(target_ratio=4.0, budget_share=0), r"budget_share in \(0, 1\] \(got 0\)"),
     (dict(target_ratio=4.0, late_objective="size"), r"late_objective in \('min-max', 'task'\) \(got 'size'\)"),

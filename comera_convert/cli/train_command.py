@@ -83,10 +83,10 @@ OPTION_NAMES = ["objective", "data", "steps", "minutes", "seq_len", "batch_size"
                    "(scheduled in steps, or with --minutes in the time spent).")
 @click.option("--late-objective", type=click.Choice(LATE_OBJECTIVES), default=None,
               help="The late stage's loss under --target-ratio: CoMERA's min-max of task loss and rank "
-                   "surrogate, or the task loss alone (the budget sets the size) [default: min-max].")
+                   "surrogate, or the task loss alone (the budget sets the size) [default: task].")
 @click.option("--budget-share", type=float, default=None,
               help="Share of the late stage over which --target-ratio closes ranks; the rest trains at "
-                   "the final ranks [default: 0.75].")
+                   "the final ranks [default: 0.15].")
 @click.option("--seq-len", type=int, default=None, help="Tokens per packed block [default: 128].")
 @click.option("--per-device-train-batch-size", "--batch-size", "batch_size", type=int, default=None,
               help="Blocks per step and device [default: 8].")
@@ -100,7 +100,7 @@ OPTION_NAMES = ["objective", "data", "steps", "minutes", "seq_len", "batch_size"
 @click.option("--tau", type=float, default=None, help="Gate pruning threshold [default: 1e-2].")
 @click.option("--rank-multiple", type=int, default=None,
               help="Prune so that open ranks stay multiples of this, e.g. 8 for bf16 GPUs [default: 1].")
-@click.option("--early-steps", type=int, default=None, help="Steps of the early stage [default: 2/3 of steps].")
+@click.option("--early-steps", type=int, default=None, help="Steps of the early stage [default: 2/3 of steps, 5 % with --target-ratio].")
 @click.option("--teacher", default=None, help="Dense teacher for distill [default: the recorded source].")
 @click.option("--distill-mode", type=click.Choice(DISTILL_MODES), default=None,
               help="Feed each student block the student's own states (end-to-end) or the teacher's "
@@ -135,7 +135,7 @@ OPTION_NAMES = ["objective", "data", "steps", "minutes", "seq_len", "batch_size"
                    "[default: on; never under torchrun].")
 @click.option("--reproject/--no-reproject", default=None,
               help="At the stage switch, rewrite the low-rank pairs in the basis their inputs order, so "
-                   "--target-ratio closes the directions that carry least [default: off].")
+                   "--target-ratio closes the directions that carry least [default: on with --target-ratio].")
 @click.option("--reproject-at", type=click.Choice(REPROJECT_AT), default=None,
               help="Re-project once at the switch, or at the switch and at every later rank cut "
                    "[default: switch].")

@@ -21,10 +21,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-# Default share of the late stage over which the budget falls to the target (--budget-share); the
-# remaining quarter trains the cores at the final ranks (AdaLoRA holds the final budget for its last
-# steps too).
-SCHEDULE_SHARE = 0.75
+# Default share of the late stage over which the budget falls to the target (--budget-share); the rest
+# trains at the final ranks (as AdaLoRA's last steps). Over three quarters (before) MiniLM 4x -> 8x kept
+# 0.884 of dense recall@1, over 0.15 0.920: too little time was left at the final shapes.
+SCHEDULE_SHARE = 0.15
 
 
 def scheduled_size(start: int, target: int, progress: float) -> int:

@@ -3,7 +3,8 @@
 Defaults are CoMERA's (NeurIPS 2024, Sec. 3 and Appendix): AdamW with learning rates 1e-4 for
 the TT cores, 1e-3 for the rank gates and 5e-5 for the dense rest; beta = 0.01; pruning
 threshold tau = 1e-2; early stage for two thirds of training (20 of 30 epochs), late stage
-aiming at 0.2 of the model size at the switch.
+aiming at 0.2 of the model size at the switch. With a target ratio the late stage starts early,
+trains on the task loss and closes ranks by a budget (TARGET_DEFAULTS: measured to keep more).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import asdict, dataclass, replace
 from ..choices import DISTILL_MODES, DISTILL_STATES, LATE_OBJECTIVES, LR_SCHEDULERS, OBJECTIVES, REPROJECT_AT
 from ..errors import ConfigError, expected
 from ..option_files import from_mapping
+from .budget import SCHEDULE_SHARE
 
 # Where the conversion cut the factorized layers at least this much (its report's layers_cut),
 # distillation matches each state's direction by default: better on MiniLM at --ratio 6 and 8, worse
@@ -30,6 +32,11 @@ PRETRAINING_DEFAULTS = dict(lr_cores=1e-4, lr_rest=5e-5, warmup_steps=0, lr_sche
 DISTILL_DEFAULTS = dict(lr_cores=1e-3, lr_rest=1e-4, dropout=0.0, lr_scheduler_type="cosine",
                         document_starts=0.5, beta=0.0)
 DISTILL_WARMUP = 50  # steps, at most a tenth of the run
+# With a target ratio the late stage starts after this share of the run, trains on the task loss and
+# closes the ranks over its first budget.SCHEDULE_SHARE, the pairs re-projected at the switch: kept more
+# than CoMERA's schedule at equal compute (BENCHMARKS.md, all-mpnet-base-v2 on the task loss).
+TARGET_EARLY_SHARE = 0.05
+TARGET_DEFAULTS = dict(late_objective="task", budget_share=SCHEDULE_SHARE)
 
 
 def default_distill_states(layers_cut: float | None) -> str:
@@ -76,8 +83,8 @@ class TrainOptions:
     # count a multiple of this (the weakest of those below tau first). 8 keeps bf16 GEMMs on
     # tensor-core shapes, as `comera convert --rank-multiple 8` does. 1 prunes entry by entry (CoMERA).
     rank_multiple: int = 1
-    # Steps of the early stage; None = two thirds of `steps` (CoMERA: 20 of 30 epochs), or all of
-    # them to distill without a target ratio.
+    # Steps of the early stage; None = two thirds of `steps` (CoMERA: 20 of 30 epochs), TARGET_EARLY_SHARE
+    # of them with a target ratio, or all of them to distill without one.
     early_steps: int | None = None
     # Also switch early when the loss stops improving: relative EMA gain below plateau_tol over
     # plateau_window steps. 0 disables the plateau test.
@@ -92,10 +99,11 @@ class TrainOptions:
     budget_share: float | None = None
     # Late stage target loss L0; None = the (smoothed) loss at the switch.
     target_loss: float | None = None
-    # The late stage's loss with a --target-ratio budget (choices.LATE_OBJECTIVES). min-max steps on
-    # the rank surrogate whenever the task loss is below L0, which holds the task loss near the
-    # switch's while the budget already sets the size; task trains on the task loss (+ beta * R).
-    late_objective: str = "min-max"
+    # The late stage's loss with a --target-ratio budget (choices.LATE_OBJECTIVES). min-max (CoMERA's)
+    # steps on the rank surrogate whenever the task loss is below L0, which holds the task loss near
+    # the switch's while the budget already sets the size; task trains on the task loss (+ beta * R).
+    # None: TARGET_DEFAULTS's under a target ratio (without one the late stage is the min-max).
+    late_objective: str | None = None
     # Weight of the weighted-sum term L + beta * R added to the min-max step in the late stage.
     late_weighted_sum: float = 0.1
     # Weight of the rank surrogate when size is the worse-off objective in the late stage.
@@ -141,7 +149,8 @@ class TrainOptions:
     cut_ranks: bool = True
     # At the stage switch, rewrite every gated low-rank pair in the basis its inputs order (whitened
     # SVD of the trained pair, reprojection.py), so the budget closes the directions that carry least.
-    reproject: bool = False
+    # None: on under a target ratio where the ranks are cut.
+    reproject: bool | None = None
     # When --reproject rewrites the pairs: "switch" (once) or "cuts" (at the switch and at every later
     # rank cut, the Gram matrices gathered afresh in between).
     reproject_at: str = "switch"
@@ -190,25 +199,26 @@ class TrainOptions:
         if self.document_starts is not None:
             _check_share("document_starts", self.document_starts)
         for name in ("gradient_checkpointing", "fsdp", "cut_ranks", "reproject"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(expected(f"{name} as true or false", getattr(self, name)))
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (name == "reproject" and value is None):
+                raise ConfigError(expected(f"{name} as true or false", value))
         if self.reproject and (self.target_ratio is None or not self.cut_ranks):
             raise ConfigError("--reproject orders the directions a --target-ratio budget closes, at the rank "
                               "cuts: it needs --target-ratio and the cuts (drop --no-cut-ranks)")
         if self.budget_share is not None and (isinstance(self.budget_share, bool) or not isinstance(
                 self.budget_share, (int, float)) or not 0 < self.budget_share <= 1):
             raise ConfigError(expected("budget_share in (0, 1]", self.budget_share))
-        if self.late_objective not in LATE_OBJECTIVES:
+        if self.late_objective is not None and self.late_objective not in LATE_OBJECTIVES:
             raise ConfigError(expected(f"late_objective in {LATE_OBJECTIVES}", self.late_objective))
         budget_only = [flag for flag, given in (("--budget-share", self.budget_share is not None),
-                                                ("--late-objective", self.late_objective != "min-max")) if given]
+                                                ("--late-objective", self.late_objective is not None)) if given]
         if budget_only and self.target_ratio is None:
             verb = "shape" if len(budget_only) > 1 else "shapes"
             raise ConfigError(f"{' and '.join(budget_only)} {verb} the size budget of --target-ratio: add "
                               "--target-ratio (without it the late stage's min-max sets the size)")
         if self.reproject_at not in REPROJECT_AT:
             raise ConfigError(expected(f"reproject_at in {REPROJECT_AT}", self.reproject_at))
-        if self.reproject_at != "switch" and not self.reproject:
+        if self.reproject_at != "switch" and not self.reprojects:
             raise ConfigError(f"--reproject-at {self.reproject_at} says when --reproject rewrites the pairs: "
                               "add --reproject")
         if not 0 < self.target_fraction <= 1:
@@ -218,13 +228,21 @@ class TrainOptions:
             raise ConfigError(expected("a target ratio greater than 1", self.target_ratio))
         if self.early_steps is not None and not 0 <= self.early_steps <= self.steps:
             raise ConfigError(expected(f"early_steps between 0 and steps ({self.steps})", self.early_steps))
-        early = self.early_steps if self.early_steps is not None else self._comera_early_steps()
+        early = self.early_steps if self.early_steps is not None else self._default_early_steps()
         if self.target_ratio is not None and early >= self.steps:
             raise ConfigError(f"--target-ratio needs a late stage to compress in: {self.steps} steps with "
                               f"{early} early steps leave none (lower --early-steps or raise --steps)")
 
-    def _comera_early_steps(self) -> int:
+    def _default_early_steps(self) -> int:
+        if self.target_ratio is not None:
+            return max(1, math.ceil(TARGET_EARLY_SHARE * self.steps))
         return max(1, (2 * self.steps) // 3)
+
+    @property
+    def reprojects(self) -> bool:
+        """Whether the pairs are re-projected: as set, or by default under a target ratio where the
+        ranks are cut."""
+        return self.reproject if self.reproject is not None else self.target_ratio is not None and self.cut_ranks
 
     @property
     def cuts_starts(self) -> bool:
@@ -248,7 +266,7 @@ class TrainOptions:
         """These options with every unset (None) field given its default for ``objective`` (mlm, clm
         or distill); ``encoder``: the student is a sentence encoder (document starts help it);
         ``layers_cut``: how hard its conversion cut the factorized layers, where recorded."""
-        defaults = dict(PRETRAINING_DEFAULTS, early_steps=self._comera_early_steps(), distill_states="relative-mse")
+        defaults = dict(PRETRAINING_DEFAULTS, early_steps=self._default_early_steps(), distill_states="relative-mse")
         if objective == "distill":
             defaults.update(DISTILL_DEFAULTS, warmup_steps=min(DISTILL_WARMUP, self.steps // 10),
                             document_starts=DISTILL_DEFAULTS["document_starts"] if encoder else 0.0,
@@ -257,6 +275,9 @@ class TrainOptions:
                 defaults.update(early_steps=self.steps)
             else:
                 defaults.update(beta=PRETRAINING_DEFAULTS["beta"])
+        if self.target_ratio is not None:
+            defaults.update(TARGET_DEFAULTS)
+        defaults.update(reproject=self.reprojects)
         unset = {name: value for name, value in defaults.items() if getattr(self, name) is None}
         return replace(self, **unset)
 

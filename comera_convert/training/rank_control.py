@@ -42,7 +42,7 @@ IMPORTANCE_DECAY = 0.85
 # A run reaches its target ratio when the model holds at most this much more than dense / target.
 TARGET_TOLERANCE = 0.02
 # Fewest late-stage steps a --minutes run is expected to have before it is warned about: the budget
-# falls over three quarters of them, and each closure wants a few steps for the cores to recover.
+# falls over a share of them (--budget-share), and each closure wants a few steps for the cores to recover.
 MIN_LATE_STEPS = 20
 
 

@@ -96,11 +96,12 @@ class ComeraTrainer(Trainer):
         self.nan_streak = 0
         self.cuts_ranks = comera_options.cut_ranks and sharding is None and not distributed()
         if comera_options.cut_ranks and not self.cuts_ranks:
+            skipped = ", and the pairs are not re-projected" if comera_options.reprojects else ""
             logger.info("under torchrun closed ranks stay masks while training (DDP and FSDP keep their "
-                        "shapes); the export is cut to the open ranks")
+                        f"shapes){skipped}; the export is cut to the open ranks")
         # --reproject: the gated pairs' input Gram matrices, from one step in GRAM_EVERY until the switch
         # (the first of CUT_POINTS), or with --reproject-at cuts until the last.
-        self.grams = GramRecorder(controller.modules) if comera_options.reproject and self.cuts_ranks else None
+        self.grams = GramRecorder(controller.modules) if comera_options.reprojects and self.cuts_ranks else None
         self.last_reprojection = len(CUT_POINTS) if comera_options.reproject_at == "cuts" else 1
         self.add_callback(RankCallback(self))
 
