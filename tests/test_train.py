@@ -895,10 +895,11 @@ def torchrun(*arguments: str, workers: int = 2) -> str:
 
 
 def train_command(path, corpus, out, objective: str = "mlm", *extra: str) -> list[str]:
-    """`comera train` of a short run that heads for ratio 4, as torchrun's workers start it."""
+    """`comera train` of a short run that heads for ratio 4, as torchrun's workers start it: its budget falls
+    over the late stage's three steps (--budget-share 1), closing a few entries at each, not all at its first."""
     return ["-m", "comera_convert", "train", str(path), "--objective", objective, "--data", str(corpus),
             "--steps", "6", "--seq-len", "32", "--batch-size", "2", "--lr-gates", "0.2", "--early-steps", "3",
-            "--save-steps", "3", "--target-ratio", "4", "--out", str(out), "--json", *extra]
+            "--budget-share", "1", "--save-steps", "3", "--target-ratio", "4", "--out", str(out), "--json", *extra]
 
 
 def ddp_run(tmp_path, tokenizer, corpus, case, objective):
@@ -1230,7 +1231,7 @@ def test_unset_options_take_their_objectives_defaults_and_set_ones_stay():
             mlm.beta, mlm.early_steps) == (1e-4, 5e-5, 0, "constant", 0.0, None, 0.01, 666)
     distill = TrainOptions(lr_cores=3e-4, steps=200).for_objective("distill", encoder=False)
     assert (distill.lr_cores, distill.lr_rest, distill.warmup_steps, distill.document_starts) == (3e-4, 1e-4, 20, 0.0)
-    # Without a target, distillation keeps the size: no late stage, no size term. With one, CoMERA's stages.
+    # Without a target, distillation keeps the size: no late stage, no size term.
     assert (distill.beta, distill.early_steps) == (0.0, 200)
     # With one, the late stage starts after 5 %, trains on the task loss, closes the ranks over its
     # first 15 % and re-projects the pairs at the switch; CoMERA's schedule where chosen.
