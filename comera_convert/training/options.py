@@ -95,7 +95,7 @@ class TrainOptions:
     target_ratio: float | None = None
     target_fraction: float = 0.2
     # Share of the late stage over which a --target-ratio budget falls to the target; the rest trains
-    # at the final ranks. None: budget.SCHEDULE_SHARE.
+    # at the final ranks. None: budget.SCHEDULE_SHARE under a target ratio (for_objective sets it).
     budget_share: float | None = None
     # Late stage target loss L0; None = the (smoothed) loss at the switch.
     target_loss: float | None = None

@@ -30,7 +30,7 @@ from ..conversion import count_params
 from ..errors import ConfigError
 from ..hf.config import integer_format_of
 from ..layers import TTModule
-from .budget import (FALLBACK_KEPT_SHARES, MIN_KEPT_SHARE, SCHEDULE_SHARE, ModuleBonds, bond_floor, choose_closures,
+from .budget import (FALLBACK_KEPT_SHARES, MIN_KEPT_SHARE, ModuleBonds, bond_floor, choose_closures,
                      scheduled_size)
 from .opening import dense_block_linears, open_dense_layers
 
@@ -328,15 +328,10 @@ class RankController:
         progress = min(1.0, step / self.options.steps)
         return max(progress, self.clock.share_spent()) if self.timed() else progress
 
-    def budget_share(self) -> float:
-        """The share of the late stage over which the budget falls to the target."""
-        share = self.options.budget_share
-        return SCHEDULE_SHARE if share is None else share
-
     def schedule_end(self) -> int:
         """The step at which the budget reaches the target."""
         switch = self.state.switch_step or 0
-        return switch + max(1, math.ceil(self.budget_share() * (self.options.steps - switch)))
+        return switch + max(1, math.ceil(self.options.budget_share * (self.options.steps - switch)))
 
     def schedule_progress(self, step: int) -> float:
         """How far the budget has fallen towards the target, 0 at the switch to 1 (and beyond) at the
@@ -345,7 +340,7 @@ class RankController:
             switch = self.state.switch_step
             return (step - switch) / (self.schedule_end() - switch)
         start = self.state.switch_progress or 0.0
-        return (self.run_progress(step) - start) / max(self.budget_share() * (1.0 - start), 1e-9)
+        return (self.run_progress(step) - start) / max(self.options.budget_share * (1.0 - start), 1e-9)
 
     def short_late_stage(self, step: int) -> str | None:
         """With --minutes and a target: one line when, at the pace of the steps so far, the time left
