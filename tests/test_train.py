@@ -784,6 +784,30 @@ def test_resume_continues_exactly(tmp_path, tokenizer, corpus, target):
     assert_trained_alike(tmp_path / "straight", tmp_path / "resumed", atol=1e-5)
 
 
+def test_resume_on_another_rank_schedule_is_refused_and_an_unrecorded_one_warns(tmp_path, tokenizer, corpus, caplog):
+    path = compressed(tmp_path, tokenizer, ratio=2)
+    settings = dict(objective="mlm", data=str(corpus), **{**FAST, "target_ratio": 3.0, "budget_share": 0.5})
+    train(str(path), TrainOptions(**settings), tmp_path / "out", callbacks=[StopAt(6)])
+    state_path = tmp_path / "out" / "checkpoints" / "checkpoint-6" / STATE_FILE
+    assert json.loads(state_path.read_text())["schedule"]["budget_share"] == 0.5
+    # Left to today's default (or another value), the share would change the course of the run.
+    with pytest.raises(ConfigError, match=r"checkpoint-6 was trained with --budget-share 0\.5, this command "
+                                          r"gives --budget-share 0\.15: resume it with the settings"):
+        train(str(path), TrainOptions(**{**settings, "budget_share": None}), tmp_path / "out", resume=True)
+    with pytest.raises(ConfigError, match=r"trained with --target-ratio 3 --reproject, this command gives "
+                                          r"--target-ratio 4 --no-reproject"):
+        train(str(path), TrainOptions(**{**settings, "target_ratio": 4.0, "reproject": False}), tmp_path / "out",
+              resume=True)
+    # A checkpoint from before the schedule was recorded resumes on the command's settings, saying so.
+    state = json.loads(state_path.read_text())
+    del state["schedule"]
+    state_path.write_text(json.dumps(state))
+    with caplog.at_level(logging.WARNING, logger="comera_convert"):
+        result = train(str(path), TrainOptions(**settings), tmp_path / "out", resume=True)
+    assert any("records no rank schedule" in message for message in caplog.messages)
+    assert result.steps == FAST["steps"]
+
+
 def test_non_finite_losses_skip_then_stop_keeping_the_last_checkpoint(tmp_path, tokenizer, corpus, monkeypatch):
     from comera_convert.training import trainer as trainer_module
 

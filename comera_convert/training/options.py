@@ -39,6 +39,35 @@ TARGET_EARLY_SHARE = 0.05
 TARGET_DEFAULTS = dict(late_objective="task", budget_share=SCHEDULE_SHARE)
 
 
+# The settings that shape the rank schedule: a checkpoint records them resolved, and --resume refuses a
+# command that resolves them otherwise (a default changed since, or a flag left off), which would
+# continue the run on a schedule it did not start on.
+SCHEDULE_FIELDS = ("target_ratio", "target_fraction", "early_steps", "budget_share", "late_objective",
+                   "reproject", "reproject_at", "cut_ranks", "rank_multiple", "tau")
+
+
+def as_flag(name: str, value) -> str:
+    """``value`` of option ``name`` as the command line gives it (``--budget-share 0.15``,
+    ``--no-reproject``; ``no --target-ratio`` where it is unset)."""
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return flag if value else f"--no-{flag[2:]}"
+    if value is None:
+        return f"no {flag}"
+    return f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
+
+
+def schedule_mismatch(saved: dict, options: "TrainOptions") -> str | None:
+    """The settings of ``SCHEDULE_FIELDS`` where ``saved`` (a checkpoint's) and ``options`` differ, as
+    "was trained with ..., this command gives ..."; None where they agree."""
+    differ = [name for name in SCHEDULE_FIELDS if name in saved and saved[name] != getattr(options, name)]
+    if not differ:
+        return None
+    trained = " ".join(as_flag(name, saved[name]) for name in differ)
+    given = " ".join(as_flag(name, getattr(options, name)) for name in differ)
+    return f"was trained with {trained}, this command gives {given}"
+
+
 def default_distill_states(layers_cut: float | None) -> str:
     """How distillation matches a hidden state by default: by direction ("cosine") where the
     factorized layers were cut COSINE_STATES_FROM_CUT or more, else by relative squared error (also
@@ -289,3 +318,7 @@ class TrainOptions:
     def to_dict(self) -> dict:
         """The options as a plain mapping (what the report and history record)."""
         return asdict(self)
+
+    def schedule(self) -> dict:
+        """The settings of ``SCHEDULE_FIELDS`` (what a training checkpoint records)."""
+        return {name: getattr(self, name) for name in SCHEDULE_FIELDS}

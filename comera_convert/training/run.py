@@ -28,10 +28,10 @@ from .attention import use_training_attention
 from .objectives import (BlockCollator, pick_objective, require_same_depth, resolve_objective, task_for,
                          task_loss)
 from .opening import fold_oversized
-from .options import TrainOptions
+from .options import TrainOptions, schedule_mismatch
 from .rank_control import RankController
 from .rank_cuts import step_times
-from .trainer import ComeraTrainer, truncated_copy
+from .trainer import STATE_FILE, ComeraTrainer, truncated_copy
 
 logger = logging.getLogger("comera_convert.training")
 CHECKPOINTS = "checkpoints"
@@ -398,7 +398,7 @@ def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, 
     drawn = options.steps * options.batch_size * options.gradient_accumulation_steps
     blocks = pack(options.data, session.tokenizer, options.seq_len, drawn * READ_AHEAD, options.max_eval_blocks)
     collate = BlockCollator(session.objective, session.tokenizer, options.mlm_probability, options.seed)
-    resume_from = _resume_point(out / CHECKPOINTS, resume, options.fsdp)
+    resume_from = _resume_point(out / CHECKPOINTS, resume, options)
     args = training_arguments(options, out / CHECKPOINTS, **(training_overrides or {}))
     session.model.to(args.device)
     if session.teacher is not None:
@@ -433,9 +433,10 @@ def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, 
     return result
 
 
-def _resume_point(checkpoints: Path, resume: bool, fsdp: bool) -> str | None:
+def _resume_point(checkpoints: Path, resume: bool, options: TrainOptions) -> str | None:
     from .fsdp import OPTIMIZER_FOLDER
 
+    fsdp = options.fsdp
     resume_from = last_checkpoint(checkpoints) if resume else None
     if resume and resume_from is None:
         raise ConfigError(f"--resume: {checkpoints} holds no checkpoint to resume from")
@@ -448,7 +449,20 @@ def _resume_point(checkpoints: Path, resume: bool, fsdp: bool) -> str | None:
         from ..hf.compat import check_resume_support
 
         check_resume_support()
+        _check_resumed_schedule(resume_from, options)
     return resume_from
+
+
+def _check_resumed_schedule(checkpoint: str, options: TrainOptions) -> None:
+    """Refuse to resume ``checkpoint`` on another rank schedule than it was trained on; a checkpoint
+    of a release that recorded none is resumed on the command's, with a warning."""
+    state_path = Path(checkpoint) / STATE_FILE
+    saved = json.loads(state_path.read_text()).get("schedule") if state_path.is_file() else None
+    if saved is None:
+        logger.warning("--resume: %s records no rank schedule (saved by an earlier release): it continues on "
+                       "this command's settings", checkpoint)
+    elif mismatch := schedule_mismatch(saved, options):
+        raise ConfigError(f"--resume: {checkpoint} {mismatch}: resume it with the settings it was trained with")
 
 
 def _shard(session: Session, resume_from: str | None):

@@ -222,7 +222,8 @@ class ComeraTrainer(Trainer):
             self.processing_class.save_pretrained(output_dir)
         bond_dims = {name: list(module.bond_dims) for name, module in self.controller.modules}
         state = {"kept": kept, "bond_dims": bond_dims, "controller": self.controller.state.to_dict(),
-                 "importance": self.controller.importance_lists(), "history": self.history}
+                 "importance": self.controller.importance_lists(), "history": self.history,
+                 "schedule": self.comera_options.schedule()}
         write_text_atomic(Path(output_dir) / STATE_FILE, json.dumps(state))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
