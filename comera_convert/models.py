@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from pathlib import Path
+from urllib.parse import urlparse
 
 from .errors import ModelLoadError
 
@@ -64,15 +66,35 @@ def read_config(path: str) -> dict:
     try:
         from huggingface_hub import hf_hub_download
 
+        try:
+            return json.loads(Path(hf_hub_download(path, "config.json", local_files_only=True)).read_text())
+        except Exception:  # not in the cache: download it
+            pass
+        if why := hub_unreachable():
+            raise ConnectionError(why)
         return json.loads(Path(hf_hub_download(path, "config.json")).read_text())
     except Exception as err:  # the hub's errors differ by version; all mean the same to the user
         raise not_found_error(path, err) from None
 
 
+def hub_unreachable() -> str | None:
+    """Why the Hugging Face Hub cannot be reached where its host name does not resolve (no network),
+    else None: checked before a download, whose client would retry for over a minute first."""
+    from huggingface_hub import constants
+
+    host = urlparse(constants.ENDPOINT).hostname
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError as err:
+        return f"{host} does not resolve: {err.strerror or err}"
+    return None
+
+
 def not_found_error(name: str, err: Exception) -> ModelLoadError:
     offline = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
     hint = ("the Hugging Face Hub is offline here: download it where the hub is reachable, or pass a local directory"
-            if offline or "offline" in str(err).lower() or "connect" in str(err).lower()
+            if offline or isinstance(err, ConnectionError) or "offline" in str(err).lower()
+            or "connect" in str(err).lower()
             else "check the spelling, or pass a local directory")
     return ModelLoadError(f"model {name!r} was found neither on disk nor in the Hugging Face cache "
                           f"({type(err).__name__}); {hint}")

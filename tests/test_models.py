@@ -1,7 +1,9 @@
 """Model names: aliases resolve to what the user means, and load from the local Hugging Face cache."""
 
 import json
+import socket
 
+import huggingface_hub
 import huggingface_hub.constants
 import pytest
 
@@ -39,3 +41,26 @@ def test_a_local_directory_wins_over_an_alias(tmp_path, monkeypatch):
     (tmp_path / "mpnet" / "config.json").write_text("{}")
     monkeypatch.chdir(tmp_path)
     assert resolve("mpnet") == "mpnet"
+
+
+def test_a_hub_id_without_network_fails_at_once_instead_of_retrying(tmp_path, monkeypatch):
+    """With the hub's host unresolvable, the download (which retries for over a minute) is never tried."""
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    real_download = huggingface_hub.hf_hub_download
+
+    def download(*args, local_files_only=False, **kwargs):
+        assert local_files_only, "downloaded with no network"
+        return real_download(*args, local_files_only=True, **kwargs)
+
+    def no_network(host, *args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    with pytest.raises(ModelLoadError, match=r"'sentence-transformers/all-mpnet-base-v2' was found neither on disk "
+                                             r"nor in the Hugging Face cache \(ConnectionError\); .*offline"):
+        read_config(resolve("mpnet"))
+    # Cached, the model is read without asking the network at all.
+    _cached_model(tmp_path, "sentence-transformers/all-mpnet-base-v2", {"model_type": "mpnet"})
+    assert read_config(resolve("mpnet")) == {"model_type": "mpnet"}

@@ -90,6 +90,7 @@ def convert_checkpoint(model_name: str, out, options: ConvertOptions, *, task=No
     sharding = shard_kwargs(max_shard_size)
     out = check_output_dir(out, overwrite)  # fail before the slow part
     path = resolve(model_name)
+    read_config(path)  # a hub id neither cached nor reachable fails here, before the tokenizer's retries
     check_modules(path)  # a sentence-transformers config that could never load
     notes, tokenizer = [], None
     if task is None:
