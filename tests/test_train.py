@@ -1137,6 +1137,32 @@ def test_a_target_beyond_a_quarter_of_each_rank_lowers_the_floors_just_enough(tm
         assert [f for floors in controller.floors for f in floors] == [max(1, math.ceil(share * r)) for r in ranks]
 
 
+def test_the_last_blocks_bonds_keep_the_share_asked_for_and_the_others_the_runs_floor(tmp_path, tokenizer, corpus):
+    from comera_convert.conversion.targets import last_block_prefix
+    from comera_convert.training.rank_control import RankController
+
+    path = compressed(tmp_path, tokenizer, ratio=2)  # its linears dense: a target beyond the gates opens them
+    model, dense = comera_convert.from_pretrained(path), _dense_params(path)
+    last, target = last_block_prefix(model), round(1.2 * _gates_ceiling(path), 1)
+    options = TrainOptions(steps=100, target_ratio=target, last_block_floor=0.5).for_objective("mlm")
+    controller = RankController(model, options, dense)
+    in_last = [name.startswith(last) for name, _ in controller.modules]
+    assert any(in_last) and not all(in_last)
+    for (name, module), floors in zip(controller.modules, controller.floors):
+        share = max(0.5, controller.kept_share) if name.startswith(last) else controller.kept_share
+        assert floors == [max(1, math.ceil(share * r)) for r in module.ranks], name
+    # Trained to the target, no bond of the last block ends below half its rank.
+    before = {name: module.ranks for name, module in controller.modules if name.startswith(last)}
+    result = train(str(path), TrainOptions(objective="mlm", data=str(corpus), **{**TARGET, "target_ratio": target},
+                                           last_block_floor=0.5), tmp_path / "out")
+    assert result.shortfall is None
+    trained = comera_convert.from_pretrained(tmp_path / "out")
+    for name, ranks in before.items():
+        module = trained.get_submodule(name)
+        kept = module.ranks if isinstance(module, comera_convert.TTModule) else ranks  # saved dense again
+        assert all(k >= math.ceil(0.5 * r) for k, r in zip(kept, ranks)), name
+
+
 def test_with_minutes_the_stage_switch_and_the_budget_follow_the_time_spent(tmp_path, tokenizer):
     controller = _timed_controller(tmp_path, tokenizer, spent_seconds=30)
     assert not controller.should_switch(10)  # half the time, a hundredth of the steps: still early
@@ -1402,7 +1428,11 @@ def test_reprojection_without_a_target_or_without_cuts_is_refused(options):
     (dict(target_ratio=4.0, late_objective="size"), r"late_objective in \('min-max', 'task'\) \(got 'size'\)"),
     (dict(target_ratio=4.0, budget_share=1.5), r"budget_share in \(0, 1\] \(got 1.5\)"),
     (dict(late_objective="task"), r"--late-objective shapes the size budget of --target-ratio: add"),
-    (dict(budget_share=0.2), r"--budget-share shapes the size budget of --target-ratio: add")])
+    (dict(budget_share=0.2), r"--budget-share shapes the size budget of --target-ratio: add"),
+    (dict(target_ratio=4.0, last_block_floor=0), r"last_block_floor in \(0, 1\] \(got 0\)"),
+    (dict(target_ratio=4.0, last_block_floor=1.5), r"last_block_floor in \(0, 1\] \(got 1.5\)"),
+    (dict(target_ratio=4.0, last_block_floor=True), r"last_block_floor in \(0, 1\] \(got True\)"),
+    (dict(last_block_floor=0.5), r"--last-block-floor shapes the size budget of --target-ratio: add")])
 def test_budget_and_reprojection_settings_out_of_range_or_without_a_target_are_refused(options, message):
     with pytest.raises(ConfigError, match=message):
         TrainOptions(**options)
@@ -1513,3 +1543,18 @@ def test_distillation_at_a_rate_that_raises_the_loss_warns_and_records_it(tmp_pa
     assert result.regression in caplog.messages
     record = json.loads((tmp_path / "out" / "comera_report.json").read_text())["extra"]["training"]
     assert record["held_out_loss_rose"] is True
+
+
+def test_every_setting_a_resume_compares_is_named_as_the_user_gives_it():
+    """The refusal names each setting as a flag of `comera train`, or as a recipe key where no flag exists."""
+    from comera_convert.cli.train_command import train as train_command
+    from comera_convert.training.options import RECIPE_ONLY, SCHEDULE_FIELDS, as_flag
+
+    flags = {flag for param in train_command.params for flag in (*param.opts, *param.secondary_opts)}
+    for name in SCHEDULE_FIELDS:
+        value = getattr(TrainOptions(target_ratio=4.0), name)
+        named = as_flag(name, 4.0 if value is None else value)
+        if name in RECIPE_ONLY:
+            assert named.startswith(f"{name}: ") and f"--{name.replace('_', '-')}" not in flags
+        else:
+            assert named.split()[0] in flags, named

@@ -64,7 +64,8 @@ OPTION_NAMES = ["objective", "data", "steps", "minutes", "seq_len", "batch_size"
                 "lr_cores", "lr_gates", "lr_rest", "beta", "tau", "rank_multiple", "early_steps", "target_ratio",
                 "teacher", "distill_mode", "distill_states", "logging_steps", "save_steps", "seed", "warmup_steps",
                 "lr_scheduler_type", "dropout", "document_starts", "start_min_tokens", "gradient_checkpointing",
-                "bf16", "compile", "fsdp", "cut_ranks", "reproject", "reproject_at", "budget_share", "late_objective"]
+                "bf16", "compile", "fsdp", "cut_ranks", "reproject", "reproject_at", "budget_share", "late_objective",
+                "last_block_floor"]
 
 
 @main.command()
@@ -87,6 +88,9 @@ OPTION_NAMES = ["objective", "data", "steps", "minutes", "seq_len", "batch_size"
 @click.option("--budget-share", type=float, default=None,
               help="Share of the late stage over which --target-ratio closes ranks; the rest trains at "
                    "the final ranks [default: 0.15].")
+@click.option("--last-block-floor", type=float, default=None,
+              help="Share of its rank at the start that each bond of the last block keeps under "
+                   "--target-ratio [default: 0.25, as every bond].")
 @click.option("--seq-len", type=int, default=None, help="Tokens per packed block [default: 128].")
 @click.option("--per-device-train-batch-size", "--batch-size", "batch_size", type=int, default=None,
               help="Blocks per step and device [default: 8].")

@@ -22,7 +22,7 @@ from .allocate import LayoutChoice, allocate_ranks
 from .calibration import Calibration
 from .learned import LearnedRanks
 from .options import ConvertOptions
-from .targets import Candidate, attention_output_in, find_blocks
+from .targets import Candidate, attention_output_in, find_blocks, last_block_prefix
 
 
 @dataclass
@@ -76,7 +76,7 @@ def _uniform_plan(request: AllocationRequest) -> _UniformPlan:
     """The uniform allocation's per-layer scales and what its report says of them."""
     options = request.options
     scaled = options.last_block_rank_scale != 1
-    last_block = _last_block_prefix(request.model) if scaled or options.keep_last_attention_output else None
+    last_block = last_block_prefix(request.model) if scaled or options.keep_last_attention_output else None
     kept_dense = (attention_output_in([c.name for c in request.candidates], last_block)
                   if last_block is not None and options.keep_last_attention_output else None)
     scale = _uniform_scales(request.model, options.embedding_rank_scale, last_block if scaled else None,
@@ -135,7 +135,7 @@ def learn_allocation(request: AllocationRequest, batches: list) -> LearnedRanks:
     if stack is None:
         raise ConfigError("allocation 'learned' learns the ranks of a stack of repeated blocks, which this model "
                           f"({type(request.model).__name__}) lacks: use the uniform allocation")
-    prefix, last_block = f"{stack}." if stack else "", _last_block_prefix(request.model)
+    prefix, last_block = f"{stack}." if stack else "", last_block_prefix(request.model)
     layers = [c for c in request.candidates
               if c.kind == "linear" and c.name.startswith(prefix) and not c.name.startswith(last_block)]
     if not layers:
@@ -214,12 +214,3 @@ def _uniform_scales(model: nn.Module, embedding_scale: float, last_block: str | 
             return last_block_scale
         return 1.0
     return scale
-
-
-def _last_block_prefix(model: nn.Module) -> str | None:
-    """The module-name prefix of the model's last repeated block (``encoder.layer.5.``), or None."""
-    stack = find_blocks(model)
-    if stack is None:
-        return None
-    last = len(model.get_submodule(stack)) - 1
-    return f"{stack}.{last}." if stack else f"{last}."

@@ -138,3 +138,12 @@ def find_blocks(model: nn.Module) -> str | None:
             if size > most:
                 best, most = name, size
     return best
+
+
+def last_block_prefix(model: nn.Module) -> str | None:
+    """The module-name prefix of the model's last repeated block (``encoder.layer.5.``), or None."""
+    stack = find_blocks(model)
+    if stack is None:
+        return None
+    last = len(model.get_submodule(stack)) - 1
+    return f"{stack}.{last}." if stack else f"{last}."

@@ -43,12 +43,18 @@ TARGET_DEFAULTS = dict(late_objective="task", budget_share=SCHEDULE_SHARE)
 # command that resolves them otherwise (a default changed since, or a flag left off), which would
 # continue the run on a schedule it did not start on.
 SCHEDULE_FIELDS = ("target_ratio", "target_fraction", "early_steps", "budget_share", "late_objective",
-                   "reproject", "reproject_at", "cut_ranks", "rank_multiple", "tau")
+                   "last_block_floor", "reproject", "reproject_at", "cut_ranks", "rank_multiple", "tau")
+
+
+# Settings that only a recipe holds (no flag of `comera train`).
+RECIPE_ONLY = ("target_fraction",)
 
 
 def as_flag(name: str, value) -> str:
     """``value`` of option ``name`` as the command line gives it (``--budget-share 0.15``,
-    ``--no-reproject``; ``no --target-ratio`` where it is unset)."""
+    ``--no-reproject``; ``no --target-ratio`` where it is unset), or a recipe (``target_fraction: 0.2``)."""
+    if name in RECIPE_ONLY:
+        return f"{name}: {value:g} (a recipe's)"
     flag = "--" + name.replace("_", "-")
     if isinstance(value, bool):
         return flag if value else f"--no-{flag[2:]}"
@@ -126,6 +132,11 @@ class TrainOptions:
     # Share of the late stage over which a --target-ratio budget falls to the target; the rest trains
     # at the final ranks. None: budget.SCHEDULE_SHARE under a target ratio (for_objective sets it).
     budget_share: float | None = None
+    # The fewest entries each bond of the stack's last block keeps under a --target-ratio budget, as a
+    # share of its rank as training starts (every other bond keeps a quarter, budget.MIN_KEPT_SHARE).
+    # The conversion gives the last block twice the others' rank (--last-block-rank-scale): its error
+    # reaches the output with no later layer to compensate it. None: a quarter, as every bond.
+    last_block_floor: float | None = None
     # Late stage target loss L0; None = the (smoothed) loss at the switch.
     target_loss: float | None = None
     # The late stage's loss with a --target-ratio budget (choices.LATE_OBJECTIVES). min-max (CoMERA's)
@@ -237,13 +248,18 @@ class TrainOptions:
         if self.budget_share is not None and (isinstance(self.budget_share, bool) or not isinstance(
                 self.budget_share, (int, float)) or not 0 < self.budget_share <= 1):
             raise ConfigError(expected("budget_share in (0, 1]", self.budget_share))
+        floor = self.last_block_floor
+        if floor is not None and (isinstance(floor, bool) or not isinstance(floor, (int, float))
+                                  or not 0 < floor <= 1):
+            raise ConfigError(expected("last_block_floor in (0, 1]", floor))
         if self.late_objective is not None and self.late_objective not in LATE_OBJECTIVES:
             raise ConfigError(expected(f"late_objective in {LATE_OBJECTIVES}", self.late_objective))
         budget_only = [flag for flag, given in (("--budget-share", self.budget_share is not None),
-                                                ("--late-objective", self.late_objective is not None)) if given]
+                                                ("--late-objective", self.late_objective is not None),
+                                                ("--last-block-floor", floor is not None)) if given]
         if budget_only and self.target_ratio is None:
             verb = "shape" if len(budget_only) > 1 else "shapes"
-            raise ConfigError(f"{' and '.join(budget_only)} {verb} the size budget of --target-ratio: add "
+            raise ConfigError(f"{', '.join(budget_only)} {verb} the size budget of --target-ratio: add "
                               "--target-ratio (without it the late stage's min-max sets the size)")
         if self.reproject_at not in REPROJECT_AT:
             raise ConfigError(expected(f"reproject_at in {REPROJECT_AT}", self.reproject_at))

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..conversion import count_params
+from ..conversion.targets import last_block_prefix
 from ..errors import ConfigError
 from ..hf.config import integer_format_of
 from ..layers import TTModule
@@ -170,8 +171,12 @@ class RankController:
         return record
 
     def floors_at(self, share: float) -> list[list[int]]:
-        """Each bond's floor when bonds keep ``share`` of their rank now."""
-        return [[bond_floor(r, self.options.rank_multiple, share) for r in m.ranks] for _, m in self.modules]
+        """Each bond's floor when bonds keep ``share`` of their rank now (those of the last block at
+        least ``last_block_floor``)."""
+        last_block, kept_there = last_block_prefix(self.model), self.options.last_block_floor or 0.0
+        return [[bond_floor(r, self.options.rank_multiple,
+                            max(share, kept_there) if last_block and name.startswith(last_block) else share)
+                 for r in m.ranks] for name, m in self.modules]
 
     def choose_floors(self, target_ratio: float) -> None:
         """The largest kept share (a quarter, then ``FALLBACK_KEPT_SHARES``) whose floors let the
