@@ -81,6 +81,12 @@ def default_distill_states(layers_cut: float | None) -> str:
     return "cosine" if layers_cut is not None and layers_cut >= COSINE_STATES_FROM_CUT else "relative-mse"
 
 
+def _check_nonzero_share(name: str, value) -> None:
+    """A share that cannot be zero: a number in (0, 1] (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ConfigError(expected(f"{name} in (0, 1]", value))
+
+
 def _check_share(name: str, value) -> None:
     """A probability or fraction: a number in [0, 1) (not a bool)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
@@ -245,18 +251,14 @@ class TrainOptions:
         if self.reproject and (self.target_ratio is None or not self.cut_ranks):
             raise ConfigError("--reproject orders the directions a --target-ratio budget closes, at the rank "
                               "cuts: it needs --target-ratio and the cuts (drop --no-cut-ranks)")
-        if self.budget_share is not None and (isinstance(self.budget_share, bool) or not isinstance(
-                self.budget_share, (int, float)) or not 0 < self.budget_share <= 1):
-            raise ConfigError(expected("budget_share in (0, 1]", self.budget_share))
-        floor = self.last_block_floor
-        if floor is not None and (isinstance(floor, bool) or not isinstance(floor, (int, float))
-                                  or not 0 < floor <= 1):
-            raise ConfigError(expected("last_block_floor in (0, 1]", floor))
+        for name in ("budget_share", "last_block_floor"):
+            if getattr(self, name) is not None:
+                _check_nonzero_share(name, getattr(self, name))
         if self.late_objective is not None and self.late_objective not in LATE_OBJECTIVES:
             raise ConfigError(expected(f"late_objective in {LATE_OBJECTIVES}", self.late_objective))
         budget_only = [flag for flag, given in (("--budget-share", self.budget_share is not None),
                                                 ("--late-objective", self.late_objective is not None),
-                                                ("--last-block-floor", floor is not None)) if given]
+                                                ("--last-block-floor", self.last_block_floor is not None)) if given]
         if budget_only and self.target_ratio is None:
             verb = "shape" if len(budget_only) > 1 else "shapes"
             raise ConfigError(f"{', '.join(budget_only)} {verb} the size budget of --target-ratio: add "

@@ -457,7 +457,9 @@ def _check_resumed_schedule(checkpoint: str, options: TrainOptions) -> None:
     """Refuse to resume ``checkpoint`` on another rank schedule than it was trained on; a checkpoint
     of a release that recorded none is resumed on the command's, with a warning."""
     state_path = Path(checkpoint) / STATE_FILE
-    saved = json.loads(state_path.read_text()).get("schedule") if state_path.is_file() else None
+    if not state_path.is_file():
+        return  # not a `comera train` checkpoint: loading it says so (load_truncated_checkpoint)
+    saved = json.loads(state_path.read_text()).get("schedule")
     if saved is None:
         logger.warning("--resume: %s records no rank schedule (saved by an earlier release): it continues on "
                        "this command's settings", checkpoint)
