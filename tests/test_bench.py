@@ -5,6 +5,7 @@ not depend on speed are."""
 import json
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from comera_convert.cli import main
@@ -97,6 +98,35 @@ def test_chosen_variants_bring_their_dense_baselines():
         "dense AdamW", "dense AdamW + CUDA graph", "TT --ratio 4 + CUDA graph"]
     with pytest.raises(ConfigError, match=r"among 'dense AdamW', .*'TT r30, tt embedding'.* \(got 'TT --ratio 4 \+ CUDA graph'\)"):
         chosen_variants("cpu", ["TT --ratio 4 + CUDA graph"])  # graphs are CUDA-only
+    # Compiled variants are graphed too, and are compared with dense compiled and graphed.
+    assert chosen_variants("cuda", ["TT --ratio 8, ranks of 8 + compile + CUDA graph"]) == [
+        "dense AdamW", "dense AdamW + compile + CUDA graph", "TT --ratio 8, ranks of 8 + compile + CUDA graph"]
+    with pytest.raises(ConfigError, match=r"\(got 'TT --ratio 8, ranks of 8 \+ compile \+ CUDA graph'\)"):
+        chosen_variants("cpu", ["TT --ratio 8, ranks of 8 + compile + CUDA graph"])
+
+
+def test_a_variant_cut_to_a_target_steps_at_the_shapes_a_target_ratio_run_ends_with(tmp_path):
+    """`TT --ratio 4 cut to 8x`: the --ratio 4 checkpoint loaded, its gates closed to 8x by the
+    budget and the closed ranks cut out of the cores, as `comera train --target-ratio 8` does; the
+    cut model still trains, and its step runs the smaller cores."""
+    from comera_convert.bench.models import load_variant, save_variants, training_step
+    from comera_convert.layers.base import TTModule
+
+    names = ["TT --ratio 4, ranks of 8", "TT --ratio 4 cut to 8x, ranks of 8"]
+    paths = save_variants(tmp_path, True, names, "llama-1.1b")
+    (whole, _), (cut, optimizer) = (load_variant(name, paths[name], "cpu") for name in names)
+    dense_params = cut.config.quantization_config.dense_params
+    params = sum(p.numel() for p in cut.parameters())
+    assert dense_params / params >= 8.0 > dense_params / sum(p.numel() for p in whole.parameters())
+    layers = [(a.bond_dims, b.bond_dims) for a, b in zip(whole.modules(), cut.modules())
+              if isinstance(a, TTModule) and isinstance(b, TTModule)]
+    assert layers and all(small <= big for big, small in layers) and any(small < big for big, small in layers)
+    assert all(r % 8 == 0 for _, small in layers for r in small)  # cut in whole multiples of 8
+    assert all(m.ranks == m.bond_dims for m in cut.modules() if isinstance(m, TTModule))  # cut, not masked
+    before = {name: p.detach().clone() for name, p in cut.named_parameters()}
+    training_step(cut, optimizer, torch.randint(0, cut.config.vocab_size, (2, 16)))()
+    assert any(not torch.equal(before[name], p) for name, p in cut.named_parameters())
+    assert all(torch.isfinite(p).all() for p in cut.parameters())
 
 
 def test_bench_variant_option(tmp_path):

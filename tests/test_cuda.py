@@ -178,3 +178,27 @@ def test_calibrated_conversion_on_cuda_matches_cpu():
     # cuSOLVER's and LAPACK's float32 eigendecompositions differ in the last digits; a few of the
     # outputs moved by 1.7e-3 on an H100 (a wrong device path would move them by the output's scale).
     torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-2, atol=5e-3)
+
+
+def test_bench_compiled_and_cut_variants_of_the_llama_step(tmp_path):
+    """The 8x variants of the 1.1 B step, tiny: cut from 4x as --target-ratio cuts, and converted at
+    8x under torch.compile, each graphed and compared with dense run the same way."""
+    import json
+
+    from click.testing import CliRunner
+
+    from comera_convert.cli import main
+
+    path = tmp_path / "bench.json"
+    result = CliRunner().invoke(main, ["bench", "train-step", "--quick", "--device", "cuda", "--dtype", "bfloat16",
+                                       "--model", "llama-1.1b", "--json", str(path),
+                                       "--variant", "TT --ratio 4 cut to 8x, ranks of 8 + CUDA graph",
+                                       "--variant", "TT --ratio 8, ranks of 8 + compile + CUDA graph"])
+    assert result.exit_code == 0, result.output
+    rows = {r["method"]: r for r in json.loads(path.read_text())["rows"]}
+    assert set(rows) == {"dense AdamW", "dense AdamW + CUDA graph", "dense AdamW + compile + CUDA graph",
+                         "TT --ratio 4 cut to 8x, ranks of 8 + CUDA graph",
+                         "TT --ratio 8, ranks of 8 + compile + CUDA graph"}
+    assert all("error" not in r for r in rows.values()), rows
+    dense = rows["dense AdamW"]["params"]
+    assert rows["TT --ratio 4 cut to 8x, ranks of 8 + CUDA graph"]["params"] <= dense / 8

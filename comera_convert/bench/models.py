@@ -27,14 +27,25 @@ from .timing import PeakMemory, graphed, median_seconds
 TT_CONVERSIONS = {"TT comera r30": {"rank": 30, "embedding_layout": "ttm"},
                   "TT r30, tt embedding": {"rank": 30},
                   "TT --ratio 4": {"ratio": 4},
-                  "TT --ratio 4, ranks of 8": {"ratio": 4, "rank_multiple": 8}}
+                  "TT --ratio 4, ranks of 8": {"ratio": 4, "rank_multiple": 8},
+                  "TT --ratio 8, ranks of 8": {"ratio": 8, "rank_multiple": 8},
+                  "TT --ratio 4 cut to 8x, ranks of 8": {"ratio": 4, "rank_multiple": 8}}
+# Variants whose ranks are cut as `comera train --target-ratio` cuts them (training/rank_cuts.py)
+# once loaded: the budget closes gate entries down to the target ratio and the closed ones are cut
+# out of the cores, so the step runs the shapes a rank-adaptive run ends with.
+RANK_CUT_TARGETS = {"TT --ratio 4 cut to 8x, ranks of 8": 8.0}
 # Conversions measured on CUDA only: aligned ranks change nothing in float32 or on the CPU.
-CUDA_ONLY_CONVERSIONS = ("TT --ratio 4, ranks of 8",)
+CUDA_ONLY_CONVERSIONS = ("TT --ratio 4, ranks of 8", "TT --ratio 8, ranks of 8", "TT --ratio 4 cut to 8x, ranks of 8")
 TRAIN_VARIANTS = ("dense AdamW", "GaLore AdamW r128",
                   *(name for name in TT_CONVERSIONS if name not in CUDA_ONLY_CONVERSIONS))
 # On CUDA the whole step (forward, backward, AdamW) is also captured once and replayed as one CUDA graph.
 GRAPH_SUFFIX = " + CUDA graph"
 GRAPHED_VARIANTS = ("dense AdamW", *TT_CONVERSIONS)
+# And compiled first (inductor fuses the elementwise work both models share, half of an eager bf16
+# step at 1.1 B), then graphed: compiling takes one to two minutes a variant at 1.1 B, so a few.
+COMPILED_SUFFIX = " + compile + CUDA graph"
+COMPILED_VARIANTS = ("dense AdamW", "TT --ratio 4, ranks of 8", "TT --ratio 8, ranks of 8",
+                     "TT --ratio 4 cut to 8x, ranks of 8")
 # Activation checkpointing (transformers' gradient checkpointing, per layer): each layer's
 # activations are recomputed in backward instead of kept, trading time for memory. Measured for
 # the baselines too, so that each is compared with its own kind.
@@ -44,7 +55,7 @@ CHECKPOINTED_VARIANTS = ("dense AdamW", "GaLore AdamW r128", "TT comera r30", "T
 
 def split_variant(variant: str) -> tuple[str, str]:
     """(base variant, suffix): "TT comera r30 + checkpointing" -> ("TT comera r30", " + checkpointing")."""
-    for suffix in (GRAPH_SUFFIX, CHECKPOINT_SUFFIX):
+    for suffix in (COMPILED_SUFFIX, GRAPH_SUFFIX, CHECKPOINT_SUFFIX):  # the longest first: both end in a graph
         if variant.endswith(suffix):
             return variant.removesuffix(suffix), suffix
     return variant, ""
@@ -84,7 +95,7 @@ def train_step_variants(device: str) -> list[str]:
     """Every variant the train-step case runs on ``device`` (graphed ones on CUDA only)."""
     variants = list(TRAIN_VARIANTS) + [v + CHECKPOINT_SUFFIX for v in CHECKPOINTED_VARIANTS]
     if device == "cuda":
-        variants += [v + GRAPH_SUFFIX for v in GRAPHED_VARIANTS]
+        variants += [v + GRAPH_SUFFIX for v in GRAPHED_VARIANTS] + [v + COMPILED_SUFFIX for v in COMPILED_VARIANTS]
     return variants
 
 
@@ -134,6 +145,8 @@ def load_variant(variant: str, path: str, device: str, capturable: bool = False)
 
     if variant in TT_CONVERSIONS:
         model = comera_convert.from_pretrained(path)
+        if variant in RANK_CUT_TARGETS:
+            cut_to_target(model.to(device), RANK_CUT_TARGETS[variant], TT_CONVERSIONS[variant].get("rank_multiple", 1))
     else:
         from comera_convert.models import auto_class_for, read_config
 
@@ -154,6 +167,22 @@ def load_variant(variant: str, path: str, device: str, capturable: bool = False)
     # Fused AdamW for dense and TT alike (one kernel over all parameters, on CPU and CUDA): the
     # per-tensor step would flatter TT, whose dense baseline then spends 0.6 s per step in AdamW.
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=capturable)
+
+
+def cut_to_target(model, target_ratio: float, rank_multiple: int) -> None:
+    """Close the model's gate entries down to ``target_ratio`` as the end of a `--target-ratio` run's
+    budget does (the least important first: all alike in an untrained model, so the last of each
+    bond), then cut them out of the cores (``cut_closed_ranks``)."""
+    from ..training.options import TrainOptions
+    from ..training.rank_control import RankController
+    from ..training.rank_cuts import cut_closed_ranks
+
+    steps = 100  # any: the budget is taken at its schedule's end
+    options = TrainOptions(steps=steps, target_ratio=target_ratio, rank_multiple=rank_multiple).for_objective("clm")
+    controller = RankController(model, options, model.config.quantization_config.dense_params)
+    controller.switch(0)
+    controller.enforce_budget(steps)
+    cut_closed_ranks(controller, None, steps)
 
 
 def training_step(model, optimizer, ids, compute_dtype=torch.float32):
@@ -178,14 +207,17 @@ def train_step_child(variant: str, path: str, batch: int, seq: int, device: str,
 
     compute_dtype = getattr(torch, dtype_name)
     base, suffix = split_variant(variant)
-    with_graph = suffix == GRAPH_SUFFIX
+    with_graph = suffix in (GRAPH_SUFFIX, COMPILED_SUFFIX)
     with PeakMemory(device) as peak:
         model, optimizer = load_variant(base, path, device, capturable=with_graph)
         use_training_attention([model], cuda=device.startswith("cuda"), bf16=compute_dtype != torch.float32)
         if suffix == CHECKPOINT_SUFFIX:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
-        step = training_step(model, optimizer, ids, compute_dtype)
+        step = training_step(torch.compile(model) if suffix == COMPILED_SUFFIX else model, optimizer, ids,
+                             compute_dtype)
+        if suffix == COMPILED_SUFFIX:
+            step(), step()  # forward and backward compile here, untimed, before the graph's capture
         seconds = median_seconds(graphed(step) if with_graph else step, repeats, warmup=1, device=device)
     params = sum(p.numel() for p in model.parameters())
     return {"variant": variant, "seconds": seconds, "peak_bytes": peak.bytes, "params": params}
