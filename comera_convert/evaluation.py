@@ -12,10 +12,14 @@ encoders   mean and minimum cosine of sentence embeddings, and nearest-neighbour
            query/document pairs, with the share of the dense model's recall@1 kept
 masked LMs masked-token loss and accuracy of both models (the same deterministic masks)
 causal LMs perplexity of both models
+
+``dense``: module-name patterns whose compressed modules are put back dense (the reference's) before
+scoring, to find which layers carry the loss (the word table alone, the linears alone, a block).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .errors import ConfigError
+from .errors import ConfigError, expected
 from .text import BUILTIN_SOURCES, CORPORA, documents, held_out_documents
 from .hf.sentence_config import read_pipeline, sentence_embeddings
 from .progress import Progress, no_progress
@@ -232,9 +236,30 @@ def load_compared(compressed_name: str, reference_name: str | None = None, comma
                     pipeline.pooling if pipeline else "mean", path, config, source)
 
 
+def restore_dense(compressed: torch.nn.Module, reference: torch.nn.Module, patterns: list[str]) -> list[str]:
+    """Put the reference's dense module back in place of each compressed one whose name matches a
+    pattern (a glob or a dot-separated part, as `comera convert --exclude` takes them); returns the
+    names put back. Raises ConfigError for a pattern that matches no compressed module."""
+    from .conversion.targets import matches
+    from .layers.swap import set_submodule
+
+    compressed_modules = dict(compressed.named_modules())
+    replaced = [name for name, module in reference.named_modules()
+                if name in compressed_modules and not list(module.children())
+                and type(compressed_modules[name]) is not type(module)]
+    for pattern in patterns:
+        if not any(matches(name, pattern) for name in replaced):
+            raise ConfigError(expected(f"--dense patterns matching compressed modules (such as "
+                                       f"{', '.join(replaced[:3])})", pattern))
+    chosen = [name for name in replaced if any(matches(name, pattern) for pattern in patterns)]
+    for name in chosen:
+        set_submodule(compressed, name, copy.deepcopy(reference.get_submodule(name)))
+    return chosen
+
+
 def evaluate(compressed_name: str, reference_name: str | None = None, data=None, texts: int = 64,
              seq_len: int = 128, baselines: bool = False, progress: Progress = no_progress,
-             pairs=None) -> dict:
+             pairs=None, dense=None) -> dict:
     """Metrics of a compressed checkpoint against its dense reference (the recorded source by
     default), per domain: the built-in corpora's held-out splits, ``data`` (one source or a list)
     and ``pairs`` (JSONL files of query/document pairs, a domain each, named by the file).
@@ -244,6 +269,7 @@ def evaluate(compressed_name: str, reference_name: str | None = None, data=None,
     sources = list(dict.fromkeys([*DEFAULT_DOMAINS, *extra]))
     compared = load_compared(compressed_name, reference_name, "comera eval", progress)
     compressed, reference, tokenizer = compared.compressed, compared.reference, compared.tokenizer
+    restored = restore_dense(compressed, reference, dense) if dense else []
     kind, path, config, source = compared.kind, compared.path, compared.config, compared.source
     pair_files = [pairs] if isinstance(pairs, (str, Path)) else list(pairs or [])
     if pair_files and kind == "clm":
@@ -277,6 +303,8 @@ def evaluate(compressed_name: str, reference_name: str | None = None, data=None,
     domains = per_domain(compressed)
     metrics = {"kind": kind, "reference": source, "pooling": pooling, "domains": domains,
                "worst_domain": worst_domain(domains)}
+    if restored:
+        metrics["restored_dense"] = restored
     if baselines:
         metrics.update(_peers(compressed, reference, path, source, config, tasks, per_domain, progress))
     return metrics

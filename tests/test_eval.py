@@ -127,6 +127,28 @@ def test_retrieval_is_scored_per_domain_and_on_a_pair_file(tmp_path):
     assert 0 < mine["mrr"] <= 1 and mine["recall_at_1"] <= mine["mrr"]
 
 
+def test_dense_puts_the_matched_modules_back_and_scores_what_is_left(tmp_path):
+    """`comera eval --dense`: the loss of a conversion split by layers. Every compressed module put
+    back scores as the dense model; the word table alone put back changes the score to what the
+    linears lose."""
+    path = saved(tmp_path, "bert", rank=8, word_embedding="codebook")  # every linear and table compressed
+    whole = evaluate(str(path), texts=16)["domains"]["english"]
+    restored = evaluate(str(path), texts=16, dense=["*"])
+    assert restored["restored_dense"] and all(
+        domain["mean_cosine"] > 0.9999 and domain["recall_kept"] == 1.0 for domain in restored["domains"].values())
+    linears = evaluate(str(path), texts=16, dense=["word_embeddings"])
+    assert linears["restored_dense"] == ["embeddings.word_embeddings"]
+    assert whole["mean_cosine"] < linears["domains"]["english"]["mean_cosine"] < 0.9999
+    with pytest.raises(ConfigError, match=r"expected --dense patterns matching compressed modules .*\(got 'LayerNorm'\)"):
+        evaluate(str(path), texts=16, dense=["LayerNorm"])  # never converted: nothing to put back
+    runner = CliRunner()
+    result = runner.invoke(main, ["eval", str(path), "--texts", "8", "--dense", "word_embeddings"])
+    assert result.exit_code == 0, result.output
+    assert "put back dense: 1 modules (embeddings.word_embeddings)" in result.output
+    result = runner.invoke(main, ["eval", str(path), "--texts", "8", "--dense", "nothing_here"])
+    assert result.exit_code == 1 and "(got 'nothing_here')" in result.output and "Traceback" not in result.output
+
+
 @pytest.mark.slow  # every peer distilled and rounded end to end; the frontier test scores them in the fast suite
 def test_baselines_are_measured_on_the_same_domains(tmp_path, corpus):
     from comera_convert.evaluation import MODEL2VEC_MISSING

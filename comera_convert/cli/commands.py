@@ -225,7 +225,11 @@ def decompress(model, out, overwrite, max_shard_size):
                    "distilled from it in the compressed model's bytes (model2vec[distill]).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True), is_flag=False, flag_value="-",
               default=None, help="Write the metrics as JSON to this file; alone, print them instead of tables.")
-def evaluate(model, reference, data, pair_files, texts, seq_len, baselines, json_path):
+@click.option("--dense", "dense_patterns", default=None, metavar="PATTERNS",
+              help="Comma-separated module-name patterns (as --exclude of convert) whose compressed modules "
+                   "are put back dense before scoring: which layers carry the loss (e.g. word_embeddings, or "
+                   "encoder). Such a score is not recorded in the checkpoint's report.")
+def evaluate(model, reference, data, pair_files, texts, seq_len, baselines, json_path, dense_patterns):
     """How close compressed MODEL is to its dense source on held-out text, domain by domain, and
     how much of its retrieval it keeps (recall@1 of each passage's rest by its first sentence)."""
     from ..evaluation import evaluate as run_eval
@@ -236,12 +240,17 @@ def evaluate(model, reference, data, pair_files, texts, seq_len, baselines, json
 
     with progress_display() as progress:
         metrics = run_eval(model, reference, data=list(data), texts=texts, seq_len=seq_len, baselines=baselines,
-                           progress=progress, pairs=list(pair_files))
-    record_in_report(resolve(model), metrics)
+                           progress=progress, pairs=list(pair_files), dense=_patterns(dense_patterns))
+    restored = metrics.get("restored_dense")
+    if not restored:  # an ablation is not the checkpoint's score
+        record_in_report(resolve(model), metrics)
     if json_path == "-":
         echo_json(metrics)
         return
     out = console()
+    if restored:
+        out.print(f"put back dense: {len(restored)} modules ({', '.join(restored[:3])}"
+                  f"{', ...' if len(restored) > 3 else ''})", highlight=False, soft_wrap=True)
     out.print(eval_table(model, metrics, out.width))
     out.print(f"worst domain: [bold]{metrics['worst_domain']}[/]")
     for label, domains in metrics.get("baselines", {}).items():
