@@ -267,6 +267,9 @@ def evaluate(compressed_name: str, reference_name: str | None = None, data=None,
     every model's size in bytes (``sizes``)."""
     extra = [data] if isinstance(data, str) else list(data or [])
     sources = list(dict.fromkeys([*DEFAULT_DOMAINS, *extra]))
+    if dense and baselines:
+        raise ConfigError("--dense with --baselines: the peers are compared at the checkpoint's bytes, which a "
+                          "model with modules put back dense no longer has (drop one of the two)")
     compared = load_compared(compressed_name, reference_name, "comera eval", progress)
     compressed, reference, tokenizer = compared.compressed, compared.reference, compared.tokenizer
     restored = restore_dense(compressed, reference, dense) if dense else []

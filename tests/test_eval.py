@@ -141,6 +141,8 @@ def test_dense_puts_the_matched_modules_back_and_scores_what_is_left(tmp_path):
     assert whole["mean_cosine"] < linears["domains"]["english"]["mean_cosine"] < 0.9999
     with pytest.raises(ConfigError, match=r"expected --dense patterns matching compressed modules .*\(got 'LayerNorm'\)"):
         evaluate(str(path), texts=16, dense=["LayerNorm"])  # never converted: nothing to put back
+    with pytest.raises(ConfigError, match="--dense with --baselines"):
+        evaluate(str(path), texts=16, dense=["word_embeddings"], baselines=True)
     runner = CliRunner()
     result = runner.invoke(main, ["eval", str(path), "--texts", "8", "--dense", "word_embeddings"])
     assert result.exit_code == 0, result.output
