@@ -28,12 +28,13 @@ TT_CONVERSIONS = {"TT comera r30": {"rank": 30, "embedding_layout": "ttm"},
                   "TT r30, tt embedding": {"rank": 30},
                   "TT --ratio 4": {"ratio": 4},
                   "TT --ratio 4, ranks of 8": {"ratio": 4, "rank_multiple": 8},
-                  "TT --ratio 8, ranks of 8": {"ratio": 8, "rank_multiple": 8},
-                  "TT --ratio 4 cut to 8x, ranks of 8": {"ratio": 4, "rank_multiple": 8}}
+                  "TT --ratio 8, ranks of 8": {"ratio": 8, "rank_multiple": 8}}
 # Variants whose ranks are cut as `comera train --target-ratio` cuts them (training/rank_cuts.py)
 # once loaded: the budget closes gate entries down to the target ratio and the closed ones are cut
-# out of the cores, so the step runs the shapes a rank-adaptive run ends with.
+# out of the cores, so the step runs the shapes a rank-adaptive run ends with. Each is converted as
+# its base variant (and shares its checkpoint).
 RANK_CUT_TARGETS = {"TT --ratio 4 cut to 8x, ranks of 8": 8.0}
+TT_CONVERSIONS["TT --ratio 4 cut to 8x, ranks of 8"] = TT_CONVERSIONS["TT --ratio 4, ranks of 8"]
 # Conversions measured on CUDA only: aligned ranks change nothing in float32 or on the CPU.
 CUDA_ONLY_CONVERSIONS = ("TT --ratio 4, ranks of 8", "TT --ratio 8, ranks of 8", "TT --ratio 4 cut to 8x, ranks of 8")
 TRAIN_VARIANTS = ("dense AdamW", "GaLore AdamW r128",
@@ -120,8 +121,12 @@ def save_variants(directory: Path, quick: bool, bases=TRAIN_VARIANTS, model_name
     import comera_convert
     from comera_convert.hf.saving import save_compressed
 
-    paths = {}
+    paths, saved = {}, {}
     for variant in bases:
+        conversion = repr(TT_CONVERSIONS.get(variant))  # variants converted alike share one checkpoint
+        if conversion in saved:
+            paths[variant] = saved[conversion]
+            continue
         torch.manual_seed(0)
         with torch.device(device):
             model = training_model(model_name, quick)
@@ -131,7 +136,7 @@ def save_variants(directory: Path, quick: bool, bases=TRAIN_VARIANTS, model_name
             save_compressed(model, path, overwrite=True, replace_dir=True)
         else:
             model.save_pretrained(path)
-        paths[variant] = str(path)
+        paths[variant] = saved[conversion] = str(path)
         del model
         if device == "cuda":
             torch.cuda.empty_cache()  # the children measure on the same GPU
