@@ -9,6 +9,9 @@ from __future__ import annotations
 
 # How conversion shares the ratio's parameters out among layers (conversion/strategies.py).
 ALLOCATIONS = ("uniform", "learned", "measured", "sensitivity")
+# What a block's feed-forward pair becomes under a --ratio budget: two low-rank layers, or the pair
+# with whole hidden neurons pruned (conversion/pruning.py).
+FFN_METHODS = ("low-rank", "prune")
 # What the input word table becomes: a TT, or a product-quantized codebook table.
 WORD_EMBEDDINGS = ("tt", "codebook")
 

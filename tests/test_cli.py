@@ -391,3 +391,23 @@ def test_float16_storage_refuses_values_it_cannot_hold(dense_dir, tmp_path):
     assert next(model.parameters()).dtype == torch.float32  # left as it was
     cast_for_storage(model, "bfloat16")
     assert next(model.parameters()).dtype == torch.bfloat16
+
+
+def test_convert_with_pruned_feed_forward_pairs(dense_dir, tmp_path):
+    from transformers import BertTokenizerFast
+
+    words = [f"w{i}" for i in range(507)]
+    BertTokenizerFast(vocab={w: i for i, w in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + words)}
+                      ).save_pretrained(dense_dir)
+    texts = tmp_path / "calibration.txt"
+    texts.write_text(" ".join(words[i * 7 % 300] for i in range(6000)))
+    out = tmp_path / "tt"
+    result = run("convert", dense_dir, "--rank", "8", "--ffn", "prune", "--calibration", texts,
+                 "--calibration-sequences", "16", "--out", out)
+    assert result.exit_code == 0, result.output
+    assert "a pruned layer's: the hidden neurons it keeps" in " ".join(result.output.split())  # the caption wraps
+    report = json.loads((out / "comera_report.json").read_text())
+    kept = {row["name"]: row["ranks"] for row in report["modules"] if row["layout"] == "pruned"}
+    assert len(kept) == 4 and all(0 < ranks[0] < 128 for ranks in kept.values())
+    _one_line_error(run("convert", dense_dir, "--ratio", "2", "--ffn", "prune", "--dtype", "int8",
+                        "--out", tmp_path / "int8"), "--ffn prune", "got int8")

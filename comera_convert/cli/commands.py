@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from ..choices import ALLOCATIONS, WORD_EMBEDDINGS
+from ..choices import ALLOCATIONS, FFN_METHODS, WORD_EMBEDDINGS
 from ..errors import ConfigError
 from ..models import TASK_CLASSES
 from . import main
@@ -76,6 +76,10 @@ def _default_out(model: str, ratio, rank) -> str:
               help="One shared rank (uniform); the block stack's ranks learned end to end on the calibration "
                    "text before converting (learned); per-kind rank scales searched on it (measured); or "
                    "per-layer ranks from error estimates (sensitivity) [default: uniform].")
+@click.option("--ffn", type=click.Choice(FFN_METHODS), default=None,
+              help="Each block's feed-forward pair as two low-rank layers, or with whole hidden neurons pruned "
+                   "for the same parameters and its second layer refit on the calibration text (BERT-family "
+                   "encoders) [default: low-rank].")
 @click.option("--learning-steps", type=int, default=None, metavar="N",
               help="Adam steps of --allocation learned [default: by the model's size: MiniLM 100, "
                    "a bert-base 40].")
@@ -109,7 +113,7 @@ def _default_out(model: str, ratio, rank) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of tables.")
 def convert(model, ratio, rank, layout, embedding_layout, word_embedding, codebook_width, d, targets, exclude,
             no_gates, calibration, no_calibration, calibration_sequences, compensate, reconstruct_steps,
-            reconstruct_lr, allocation, learning_steps, last_block_rank_scale, keep_last_attention_output,
+            reconstruct_lr, allocation, ffn, learning_steps, last_block_rank_scale, keep_last_attention_output,
             rank_multiple, dtype, group_size, device, recipe, task, out, overwrite, max_shard_size, as_json):
     """Convert MODEL (directory, hub id or alias such as minilm, bert-base) to a TT checkpoint."""
     from ..recipes import convert_options
@@ -119,7 +123,7 @@ def convert(model, ratio, rank, layout, embedding_layout, word_embedding, codebo
                  "word_embedding": word_embedding, "codebook_width": codebook_width, "d": d,
                  "targets": _patterns(targets), "exclude": _patterns(exclude),
                  "gates": False if no_gates else None, "calibration": calibration,
-                 "calibration_sequences": calibration_sequences, "allocation": allocation,
+                 "calibration_sequences": calibration_sequences, "allocation": allocation, "ffn": ffn,
                  "learning_steps": learning_steps,
                  "compensate": compensate, "reconstruct_steps": reconstruct_steps, "reconstruct_lr": reconstruct_lr,
                  "last_block_rank_scale": last_block_rank_scale,

@@ -72,8 +72,10 @@ def modules_table(report, width: int, by_block: bool = True) -> RenderableType:
                      f"{dense:,}", f"{tt:,}", f"{dense / tt:.1f}x" if tt else "-"])
     columns = [("module", "left"), ("layout", "left"), ("shape", "right"), ("ranks", "left"), ("n", "right"),
                ("dense", "right"), ("TT", "right"), ("ratio", "right")]
-    return fitted(f"{report.model_class}: converted modules", columns, rows, width,
-                  caption="ranks: internal bonds of the first module of each row; * = they vary across the row")
+    caption = "ranks: internal bonds of the first module of each row; * = they vary across the row"
+    if any(row.layout == "pruned" for row in report.modules):
+        caption += "; a pruned layer's: the hidden neurons it keeps"
+    return fitted(f"{report.model_class}: converted modules", columns, rows, width, caption=caption)
 
 
 def totals_table(report, disk_bytes: int | None = None) -> Table:

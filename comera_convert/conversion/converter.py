@@ -21,6 +21,7 @@ from ..tt.decompose import matrix_to_cores
 from .allocate import LayoutChoice
 from .calibration import Calibration, correct_bias, weighted_decomposer
 from .options import ConvertOptions
+from .pruning import compensate_up, ffn_pairs, kept_neurons, prune_pair
 from .records import tie_head
 from .report import ConversionReport, describe
 from .storage import integer_storage, round_in_place
@@ -148,6 +149,11 @@ def swap_in(model: nn.Module, candidates, specs, options: ConvertOptions, calibr
     """Replace each candidate that has a spec by its TT module (``_tt_module``) or codebook table
     (fit by k-means to its rows); a None spec leaves it dense. ``load``
     and ``release`` (streaming) bracket each module: ``convert_modules`` says what they do."""
+    pairs = ffn_pairs(candidates, specs) if options.ffn == "prune" else {}
+    if pairs and calibration is None:
+        raise ConfigError("--ffn prune refits each pruned feed-forward pair on calibration text: convert with "
+                          "calibration (comera convert calibrates by default)")
+    waiting = {}  # down name -> (up candidate, its spec): a pair's up waits for its down
     for index, (candidate, spec) in enumerate(zip(candidates, specs)):
         if spec is None:
             continue
@@ -155,6 +161,21 @@ def swap_in(model: nn.Module, candidates, specs, options: ConvertOptions, calibr
             progress(candidate.name, index, len(candidates))
         if load is not None:
             load(candidate.name)
+        if candidate.name in pairs:  # up: stays dense until down's inputs are recorded through it
+            compensate_up(candidate.module, candidate.name, calibration)
+            waiting[pairs[candidate.name]] = (candidate, spec)
+            continue
+        if candidate.name in waiting:
+            up, up_spec = waiting.pop(candidate.name)
+            kept = kept_neurons(up, up_spec, candidate, spec)
+            for old, new in zip((up, candidate), prune_pair(up.module, candidate.module, kept, candidate.name,
+                                                            calibration)):
+                set_submodule(model, old.name, new)
+                if load is not None:
+                    old.module.to("meta")
+                if release is not None:
+                    release(old.name)
+            continue
         if isinstance(spec, CodebookSpec):
             new = CodebookEmbedding.from_embedding(candidate.module, spec.subspaces, spec.codewords,
                                                    device=options.device)

@@ -6,7 +6,7 @@ import dataclasses
 import math
 from dataclasses import InitVar, asdict, dataclass
 
-from ..choices import ALLOCATIONS, WORD_EMBEDDINGS
+from ..choices import ALLOCATIONS, FFN_METHODS, WORD_EMBEDDINGS
 from ..errors import ConfigError, expected
 from ..option_files import from_mapping
 from ..tt.spec import LAYOUTS
@@ -135,6 +135,11 @@ class ConvertOptions:
     # calibration data's error estimates; conversion/experimental/sensitivity.py). The last two are
     # experimental: neither beat the shared rank out of domain after training (strategies.py).
     allocation: str = "uniform"
+    # What a block's feed-forward pair (BERT-family intermediate.dense -> act -> output.dense) becomes
+    # where the allocation compresses both of its layers: "low-rank" (two pairs of factors, as every
+    # other linear) or "prune" (the same parameters spent on whole hidden neurons, down refit on the
+    # calibration text: conversion/pruning.py).
+    ffn: str = "low-rank"
     # The learned allocation's per-layer rank scales (module name -> multiple of the shared rank), as
     # a conversion's report records them: given, they are used as they are instead of learned again.
     rank_scales: dict[str, float] | None = None
@@ -246,6 +251,11 @@ class ConvertOptions:
             self.reconstruct_steps = RECONSTRUCT_STEPS if on else 0
         if not isinstance(self.compensate, bool):
             raise ConfigError(expected("compensate as true or false", self.compensate))
+        if self.ffn not in FFN_METHODS:
+            raise ConfigError(expected(f"ffn in {FFN_METHODS}", self.ffn))
+        if self.ffn == "prune" and self.dtype in ("int8", "int4"):
+            raise ConfigError(f"--ffn prune keeps its feed-forward layers as plain linears, which integer storage "
+                              f"does not round: give --dtype float32, bfloat16 or float16 with it (got {self.dtype})")
         if self.dtype is not None:
             check_storage(self.dtype, self.group_size)
         elif self.group_size is not None:

@@ -6,6 +6,8 @@ A record is a JSON-able dict:
     {"kind": "embedding", "spec": {...}, "padding_idx": 0, "gates": true, "reordered": false}
     {"kind": "codebook_embedding", "spec": {...CodebookSpec...}, "padding_idx": 0}
     {"kind": "tied_head", "embedding": "bert.embeddings.word_embeddings", "bias": true}
+    {"kind": "pruned_linear", "in_features": 768, "out_features": 1920, "pruned": "out",
+     "dense_features": 3072, "bias": true}
 """
 
 from __future__ import annotations
@@ -15,13 +17,13 @@ from torch import nn
 
 from ..codebook import CodebookSpec
 from ..errors import ModelLoadError, expected
-from ..layers import CodebookEmbedding, TiedTTHead, TTEmbedding, TTLinear, TTModule
+from ..layers import CodebookEmbedding, PrunedLinear, TiedTTHead, TTEmbedding, TTLinear, TTModule
 from ..layers.swap import set_submodule
 from ..layers.tied_head import TIEABLE
 from ..tt.spec import TTSpec
 
-KINDS = ("linear", "embedding", "codebook_embedding", "tied_head")
-COMPRESSED = (TTModule, CodebookEmbedding, TiedTTHead)  # the modules a checkpoint records
+KINDS = ("linear", "embedding", "codebook_embedding", "tied_head", "pruned_linear")
+COMPRESSED = (TTModule, CodebookEmbedding, TiedTTHead, PrunedLinear)  # the modules a checkpoint records
 
 
 def record_of(module: nn.Module, model: nn.Module | None = None) -> dict:
@@ -38,7 +40,11 @@ def record_of(module: nn.Module, model: nn.Module | None = None) -> dict:
         names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
         return {"kind": "tied_head", "embedding": names.get(id(module.embedding)),
                 "bias": module.bias is not None}
-    raise TypeError(expected("a TTLinear, TTEmbedding, CodebookEmbedding or TiedTTHead", type(module).__name__))
+    if isinstance(module, PrunedLinear):
+        return {"kind": "pruned_linear", "in_features": module.in_features, "out_features": module.out_features,
+                "pruned": module.pruned, "dense_features": module.dense_features, "bias": module.bias is not None}
+    raise TypeError(expected("a TTLinear, TTEmbedding, CodebookEmbedding, TiedTTHead or PrunedLinear",
+                             type(module).__name__))
 
 
 def records_of(model: nn.Module) -> dict[str, dict]:
@@ -58,6 +64,13 @@ def module_from_record(record: dict, name: str, dtype=None, device=None) -> nn.M
     _check(record, name)
     if record["kind"] == "tied_head":
         raise ValueError("tied heads are built by tie_heads, after their embedding")
+    if record["kind"] == "pruned_linear":
+        try:
+            return PrunedLinear(record["in_features"], record["out_features"], bias=record.get("bias", True),
+                                pruned=record["pruned"], dense_features=record["dense_features"],
+                                device=device, dtype=dtype)
+        except (KeyError, TypeError, ValueError) as err:
+            raise ModelLoadError(f"the compression record of {name!r} is not a valid pruned linear: {err}") from None
     if record["kind"] == "codebook_embedding":
         spec = CodebookSpec.from_dict(record["spec"])
         return CodebookEmbedding(spec.rows, spec.cols, record.get("padding_idx"), subspaces=spec.subspaces,
@@ -78,9 +91,11 @@ def module_from_record(record: dict, name: str, dtype=None, device=None) -> nn.M
 
 
 def format_version(records: dict[str, dict]) -> int:
-    """The oldest checkpoint format that can hold these records: 3 once an embedding is a codebook
-    table, 2 once one is reordered (a reader of version 1 would ignore the order and look up the
-    wrong rows), 1 otherwise."""
+    """The oldest checkpoint format that can hold these records: 5 once a feed-forward pair is pruned,
+    3 once an embedding is a codebook table, 2 once one is reordered (a reader of version 1 would
+    ignore the order and look up the wrong rows), 1 otherwise."""
+    if any(r.get("kind") == "pruned_linear" for r in records.values()):
+        return 5
     if any(r.get("kind") == "codebook_embedding" for r in records.values()):
         return 3
     return 2 if any(r.get("reordered") for r in records.values()) else 1

@@ -115,7 +115,7 @@ def describe(model, **fields) -> ConversionReport:
     The dense parameter count comes from the model's compression record; ``fields`` fill the
     rest (skipped modules, timing, target ratio) where the caller knows them.
     """
-    from ..layers import CodebookEmbedding, TiedTTHead, TTModule
+    from ..layers import CodebookEmbedding, PrunedLinear, TiedTTHead, TTModule
     from .converter import count_params
 
     rows = []
@@ -130,6 +130,11 @@ def describe(model, **fields) -> ConversionReport:
             spec = module.spec
             rows.append(ModuleRow(name, "embedding", spec.layout, spec.rows, spec.cols, [],  # no bonds
                                   spec.rows * spec.cols, module.stored_params()))
+        elif isinstance(module, PrunedLinear):  # its "rank": the hidden neurons kept
+            rows_in, cols_out = ((module.in_features, module.dense_features) if module.pruned == "out"
+                                 else (module.dense_features, module.out_features))
+            rows.append(ModuleRow(name, "linear", "pruned", rows_in, cols_out, [module.kept],
+                                  rows_in * cols_out, module.weight.numel()))
         elif isinstance(module, TiedTTHead):
             rows.append(ModuleRow(name, "tied_head", "-", module.in_features, module.out_features, [], 0, 0))
     quantization_config = getattr(getattr(model, "config", None), "quantization_config", None)

@@ -18,8 +18,9 @@ QUANT_METHOD = "comera"
 # their rows in another order than the token ids ("reordered", with a row_of_token tensor). 3: an
 # embedding may be a product-quantized table ("codebook_embedding", with codebooks and codes tensors).
 # 4: factors may be stored as integers ("storage": {"format": "int8" | "int4", "group_size": ...},
-# each such tensor as values and a ``<name>_scale`` tensor; hf/integer_storage.py).
-FORMAT_VERSION = 4
+# each such tensor as values and a ``<name>_scale`` tensor; hf/integer_storage.py). 5: a feed-forward
+# pair may be pruned by hidden neuron ("pruned_linear", plain linear tensors of the pruned shape).
+FORMAT_VERSION = 5
 INTEGER_STORAGE_VERSION = 4
 # config.json names this file as the model's weights. It does not exist: a transformers that does
 # not know comera_convert stops on it with this instruction, instead of loading a dense model
@@ -87,7 +88,7 @@ class ComeraConfig(QuantizationConfigMixin):
         model = self._model() if self._model is not None else None
         modules = records_of(model) if model is not None else self.modules
         # The version the records need, so that checkpoints older readers can load keep loading there.
-        version = INTEGER_STORAGE_VERSION if self.storage else format_version(modules)
+        version = max(INTEGER_STORAGE_VERSION if self.storage else 1, format_version(modules))
         data = {"quant_method": self.quant_method, "version": version, "source": self.source,
                 "dense_params": self.dense_params, "modules": copy.deepcopy(modules)}
         if self.storage:

@@ -74,13 +74,15 @@ def decompress_model(model: nn.Module) -> nn.Module:
 
     A head tied to a converted embedding becomes a Linear tied to the dense embedding again.
     """
-    from ..layers import CodebookEmbedding, TiedTTHead, TTEmbedding, TTLinear
+    from ..layers import CodebookEmbedding, PrunedLinear, TiedTTHead, TTEmbedding, TTLinear
 
     name_of = {id(m): n for n, m in model.named_modules()}
     heads = []
     for name, module in list(model.named_modules()):
         if isinstance(module, TTLinear):
             set_submodule(model, name, dense_linear(module))
+        elif isinstance(module, PrunedLinear):
+            set_submodule(model, name, module.expanded())
         elif isinstance(module, (TTEmbedding, CodebookEmbedding)):
             set_submodule(model, name, _dense_embedding(module))
         elif isinstance(module, TiedTTHead):

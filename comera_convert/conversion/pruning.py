@@ -1,0 +1,114 @@
+"""Feed-forward pairs pruned by hidden neuron (``ConvertOptions.ffn == "prune"``).
+
+Where the allocation gives a block's feed-forward pair (up: hidden x in, down: out x hidden, an
+elementwise activation between) low-rank specs, the pair can spend the same parameters on keeping
+whole hidden neurons instead: the rows of up and columns of down of the neurons that carry most of
+down's output energy on the calibration text (E[h_j^2] ||down[:, j]||^2), down refit by least squares
+from the kept neurons' activations to the dense pair's output (the calibration's statistics of down's
+input; where the calibration compensates, the activations the compressed layers before it give,
+mapped onto the dense outputs as ``compensated_matrix`` maps them), and its bias set so that the mean
+output matches. The kept rows of up are its dense rows, refit to the compressed inputs where the
+calibration compensates (``compensate_up``), as every low-rank layer is.
+
+Why: a feed-forward layer's hidden activations are not low-rank the way attention's projections
+are, and a low-rank up confines every hidden neuron's input to one shared subspace; pruning keeps
+the neurons it keeps exact. On all-mpnet-base-v2's feed-forward layers alone (attention dense, no
+compensation), at the cut `--ratio 2` gives the linears (1.6x) the pruned pairs kept mean cosine
+0.939 to the dense embeddings against 0.850 for whitened low-rank pairs, at 3.4x 0.783 against
+0.588. BENCHMARKS.md#feed-forward-pairs-pruned-by-neuron-session-56
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from ..layers.pruned_linear import PrunedLinear
+from ..tt.counting import num_params
+from .calibration import Calibration, compensated_matrix
+
+# The endings of a block's feed-forward pair (up, down) that have an elementwise activation between
+# them: BERT, RoBERTa, MPNet, ELECTRA, DeBERTa name them so (intermediate.dense -> act -> output.dense).
+FFN_PAIRS = (("intermediate.dense", "output.dense"),)
+# The kept activations' covariance is damped by this share of its mean diagonal before down is refit
+# (neurons that fire together would otherwise get large opposite weights).
+REFIT_RIDGE = 1e-3
+
+
+def ffn_pairs(candidates, specs) -> dict[str, str]:
+    """up name -> down name for each feed-forward pair (``FFN_PAIRS``) of two nn.Linear candidates of
+    matching widths that both have a spec (the allocation compresses both), down with a bias (the
+    refit's intercept)."""
+    found = {c.name: (c, spec) for c, spec in zip(candidates, specs)}
+    pairs = {}
+    for name, (up, spec) in found.items():
+        for up_end, down_end in FFN_PAIRS:
+            if spec is None or not (name == up_end or name.endswith("." + up_end)):
+                continue
+            down, down_spec = found.get(name[:len(name) - len(up_end)] + down_end, (None, None))
+            if (down is not None and down_spec is not None and type(up.module) is nn.Linear
+                    and type(down.module) is nn.Linear and down.module.bias is not None
+                    and down.rows == up.cols and down.cols == up.rows):
+                pairs[name] = down.name
+    return pairs
+
+
+def kept_neurons(up, up_spec, down, down_spec) -> int:
+    """The hidden neurons the pair keeps for the parameters its two low-rank specs would take (their
+    cores and up's full bias), at least 1 and at most all."""
+    budget = num_params(up_spec) + num_params(down_spec) + up.cols
+    return max(1, min(up.cols, budget // (up.rows + down.cols + 1)))
+
+
+@torch.no_grad()
+def compensate_up(up: nn.Linear, name: str, stats: Calibration) -> None:
+    """Where the calibration compensates (``stats.cross``), refit up in place to map the inputs the
+    compressed layers before it give onto its dense outputs (``compensated_matrix``, as every
+    low-rank layer is fit), its bias matching the dense mean output: the hidden activations down's
+    statistics then record, and the rows the pair keeps, make up for the error before the pair."""
+    if name not in stats.cross:
+        return
+    dense = up.weight.detach().double()
+    refit = compensated_matrix(up.weight.detach().t(), stats.grams[name], stats.cross[name]).t()
+    up.weight.copy_(refit)
+    if up.bias is not None:
+        rows = stats.rows[name]
+        mean_seen, mean_dense = stats.sums[name] / rows, stats.dense_sums[name] / rows
+        change = dense @ mean_dense.to(dense.device) - refit.double() @ mean_seen.to(dense.device)
+        up.bias.add_(change.to(up.bias.dtype))
+
+
+@torch.no_grad()
+def prune_pair(up: nn.Linear, down: nn.Linear, kept: int, down_name: str,
+               stats: Calibration) -> tuple[PrunedLinear, PrunedLinear]:
+    """The pair with ``kept`` hidden neurons (module docstring), on the device and in the dtype of the
+    layers it replaces; ``stats`` must hold down's input statistics (``down_name``)."""
+    if down_name not in stats.grams:
+        raise ConfigError(f"pruning {down_name!r} needs the calibration statistics of its input, and there are none")
+    gram, rows = stats.grams[down_name].double(), stats.rows[down_name]
+    cross = stats.cross.get(down_name, gram).double()
+    mean_seen = stats.sums[down_name].double() / rows
+    mean_dense = stats.dense_sums.get(down_name, stats.sums[down_name]).double() / rows
+    weight = down.weight.detach().double().cpu()
+    energy = gram.diagonal() * weight.pow(2).sum(0)
+    keep = torch.topk(energy, kept).indices.sort().values
+    # Least squares with an intercept: centred second moments of the kept activations seen, and their
+    # cross moments with the dense activations that down's dense weight maps to the targets.
+    covariance = gram[keep][:, keep] - rows * torch.outer(mean_seen[keep], mean_seen[keep])
+    covariance.diagonal().add_(REFIT_RIDGE * float(covariance.diagonal().mean()))
+    cross_kept = cross[keep] - rows * torch.outer(mean_seen[keep], mean_dense)
+    refit = torch.linalg.solve(covariance, cross_kept @ weight.T)  # (kept, out)
+    bias = weight @ mean_dense - refit.T @ mean_seen[keep]
+    bias += down.bias.detach().double().cpu()
+    like = dict(device=up.weight.device, dtype=up.weight.dtype)
+    new_up = PrunedLinear(up.in_features, kept, bias=up.bias is not None, pruned="out",
+                          dense_features=up.out_features, **like)
+    new_up.weight.copy_(up.weight[keep.to(up.weight.device)])
+    if up.bias is not None:
+        new_up.bias.copy_(up.bias[keep.to(up.bias.device)])
+    new_down = PrunedLinear(kept, down.out_features, pruned="in", dense_features=down.in_features,
+                            device=down.weight.device, dtype=down.weight.dtype)
+    new_down.weight.copy_(refit.T)
+    new_down.bias.copy_(bias)
+    return new_up, new_down

@@ -1,0 +1,197 @@
+"""Feed-forward pairs pruned by hidden neuron (--ffn prune): the pruned pair against the dense pair it
+replaces, the neurons it keeps, the budget it spends, checkpoints that load back equal, decompression,
+and the refusals."""
+
+import json
+
+import pytest
+import torch
+import transformers as tf
+from torch import nn
+
+import comera_convert
+from comera_convert import ConvertOptions
+from comera_convert.conversion.calibration import Calibration, collect
+from comera_convert.conversion.pruning import compensate_up, ffn_pairs, kept_neurons, prune_pair
+from comera_convert.conversion.targets import find_candidates
+from comera_convert.errors import ConfigError, ModelLoadError
+from comera_convert.layers import PrunedLinear, TTLinear
+from comera_convert.tt.counting import num_params
+
+from .conftest import rel_err
+from .tiny_models import build, outputs
+
+torch.manual_seed(0)
+
+
+def _pair(width=16, hidden=48):
+    up, down = nn.Linear(width, hidden), nn.Linear(hidden, width)
+    return up, down
+
+
+def _run(up, down, x):
+    return down(nn.functional.gelu(up(x)))
+
+
+def _statistics(up, x, name="down") -> Calibration:
+    """Dense input statistics of down (the hidden activations) on rows ``x``."""
+    h = nn.functional.gelu(up(x)).double()
+    return Calibration(grams={name: h.T @ h}, sums={name: h.sum(0)}, rows={name: len(h)})
+
+
+@torch.no_grad()
+def test_keeping_every_neuron_reproduces_the_dense_pair():
+    up, down = _pair()
+    x = torch.randn(400, 16)
+    new_up, new_down = prune_pair(up, down, 48, "down", _statistics(up, x))
+    assert rel_err(_run(new_up, new_down, x), _run(up, down, x)) < 1e-2  # the refit's ridge only
+
+
+@torch.no_grad()
+def test_the_neurons_down_ignores_are_the_ones_pruned_and_the_rest_is_exact():
+    up, down = _pair()
+    down.weight[:, 32:] = 0  # neurons 32..47 reach no output
+    x = torch.randn(400, 16)
+    new_up, new_down = prune_pair(up, down, 32, "down", _statistics(up, x))
+    assert torch.equal(new_up.weight, up.weight[:32]) and torch.equal(new_up.bias, up.bias[:32])
+    assert rel_err(_run(new_up, new_down, x), _run(up, down, x)) < 1e-2
+
+
+@torch.no_grad()
+def test_the_refit_beats_dropping_the_neurons_on_held_out_rows():
+    up, down = _pair()
+    x, held_out = torch.randn(600, 16), torch.randn(200, 16)
+    new_up, new_down = prune_pair(up, down, 24, "down", _statistics(up, x))
+    keep = [int((up.weight == row).all(1).nonzero()) for row in new_up.weight]
+    dropped = nn.Linear(24, 16)
+    dropped.weight.copy_(down.weight[:, keep])
+    dropped.bias.copy_(down.bias)
+    dense = _run(up, down, held_out)
+    refit_error, drop_error = rel_err(_run(new_up, new_down, held_out), dense), rel_err(_run(new_up, dropped, held_out), dense)
+    assert refit_error < 0.7 * drop_error, (refit_error, drop_error)
+
+
+@torch.no_grad()
+def test_expanded_layers_compute_the_same_pair_at_the_dense_shapes():
+    up, down = _pair()
+    x = torch.randn(50, 16)
+    new_up, new_down = prune_pair(up, down, 20, "down", _statistics(up, x))
+    wide_up, wide_down = new_up.expanded(), new_down.expanded()
+    assert (wide_up.out_features, wide_down.in_features) == (48, 48)
+    assert rel_err(_run(wide_up, wide_down, x), _run(new_up, new_down, x)) < 1e-6
+
+
+def test_pairs_are_the_feed_forward_layers_the_allocation_compresses():
+    model = build("bert")
+    candidates = find_candidates(model)[0]
+    specs = [object()] * len(candidates)
+    pairs = ffn_pairs(candidates, specs)
+    assert pairs == {f"encoder.layer.{i}.intermediate.dense": f"encoder.layer.{i}.output.dense" for i in range(2)}
+    names = [c.name for c in candidates]
+    specs[names.index("encoder.layer.1.output.dense")] = None  # kept dense: its up stays low-rank
+    assert list(ffn_pairs(candidates, specs)) == ["encoder.layer.0.intermediate.dense"]
+    assert ffn_pairs(find_candidates(build("gpt2"))[0], specs) == {}  # GPT-2's Conv1D pair is not pruned
+
+
+def _calibrated(case="bert"):
+    model = build(case).eval()
+    batches = [torch.randint(3, 500, (16, 24), generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    return model, collect(model, find_candidates(model)[0], batches, source="test")
+
+
+def test_a_pruned_conversion_spends_no_more_than_the_low_rank_one_and_keeps_more(tmp_path):
+    reference = build("bert").eval()
+    results = {}
+    for ffn in ("low-rank", "prune"):
+        model, stats = _calibrated()
+        report = comera_convert.convert(model, rank=8, calibration=stats, ffn=ffn)
+        results[ffn] = (model, report)
+    (low_rank, low_report), (pruned, report) = results["low-rank"], results["prune"]
+    up, down = pruned.encoder.layer[0].intermediate.dense, pruned.encoder.layer[0].output.dense
+    assert isinstance(up, PrunedLinear) and isinstance(down, PrunedLinear) and up.kept == down.kept < 128
+    assert isinstance(pruned.encoder.layer[0].attention.output.dense, TTLinear)
+    # The same budget, less what rounding the kept neurons down (a neuron: 64 + 1 + 64 parameters a
+    # pair) and the low-rank layers' rank gates (parameters too, which the pruned pair has none of) leave.
+    gates = sum(p.numel() for name, p in low_rank.named_parameters() if ".gates." in name and "dense" in name
+                and ("intermediate" in name or ".output.dense" in name and "attention" not in name))
+    assert low_report.params_after - 2 * (64 + 1 + 64) - gates <= report.params_after <= low_report.params_after
+    rows = {row.name: row for row in report.modules}
+    assert rows["encoder.layer.0.intermediate.dense"].layout == "pruned"
+    assert rows["encoder.layer.0.intermediate.dense"].ranks == [up.kept]
+    x = {"input_ids": torch.randint(3, 500, (4, 24), generator=torch.Generator().manual_seed(9))}
+    dense = outputs(reference, x)
+    assert rel_err(outputs(pruned.eval(), x), dense) < rel_err(outputs(low_rank.eval(), x), dense)
+
+
+def test_kept_neurons_match_the_two_low_rank_specs_budget():
+    model = build("bert")
+    candidates = {c.name: c for c in find_candidates(model)[0]}
+    up, down = candidates["encoder.layer.0.intermediate.dense"], candidates["encoder.layer.0.output.dense"]
+    options = ConvertOptions(rank=8, d=1)
+    from comera_convert.conversion.converter import layout_choice
+
+    choice = layout_choice(model, list(candidates.values()), options)
+    up_spec, down_spec = choice.spec(up, 8), choice.spec(down, 8)
+    kept = kept_neurons(up, up_spec, down, down_spec)
+    low_rank = num_params(up_spec) + num_params(down_spec) + 128  # up's bias is full width there
+    assert kept * (64 + 1 + 64) <= low_rank < (kept + 1) * (64 + 1 + 64)
+
+
+def test_a_pruned_checkpoint_loads_back_equal_and_decompresses_to_the_dense_shapes(tmp_path):
+    model, stats = _calibrated("bert-mlm")
+    comera_convert.convert(model, rank=8, calibration=stats, ffn="prune")
+    model.save_pretrained(tmp_path / "tt")
+    quantization = json.loads((tmp_path / "tt" / "config.json").read_text())["quantization_config"]
+    assert quantization["version"] == 5
+    record = quantization["modules"]["bert.encoder.layer.0.output.dense"]
+    assert record["kind"] == "pruned_linear" and record["pruned"] == "in" and record["dense_features"] == 128
+    loaded = tf.AutoModelForMaskedLM.from_pretrained(tmp_path / "tt").eval()
+    assert isinstance(loaded.bert.encoder.layer[1].intermediate.dense, PrunedLinear)
+    assert torch.equal(outputs(loaded), outputs(model.eval()))
+    dense = comera_convert.decompress_model(loaded)
+    dense.save_pretrained(tmp_path / "dense")
+    plain = tf.AutoModelForMaskedLM.from_pretrained(tmp_path / "dense").eval()
+    assert type(plain.bert.encoder.layer[0].output.dense) is nn.Linear
+    assert plain.bert.encoder.layer[0].intermediate.dense.out_features == 128
+    assert rel_err(outputs(plain), outputs(model)) < 1e-5
+
+
+def test_a_damaged_pruned_record_is_refused_in_one_line(tmp_path):
+    model, stats = _calibrated()
+    comera_convert.convert(model, rank=8, calibration=stats, ffn="prune")
+    model.save_pretrained(tmp_path / "tt")
+    config_path = tmp_path / "tt" / "config.json"
+    config = json.loads(config_path.read_text())
+    del config["quantization_config"]["modules"]["encoder.layer.0.output.dense"]["dense_features"]
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="'encoder.layer.0.output.dense' is not a valid pruned linear"):
+        comera_convert.from_pretrained(tmp_path / "tt")
+
+
+def test_refusals_say_what_was_expected():
+    with pytest.raises(ConfigError, match=r"ffn in \('low-rank', 'prune'\).*'lowrank'"):
+        ConvertOptions(ratio=2, ffn="lowrank")
+    with pytest.raises(ConfigError, match="integer storage does not round.*got int8"):
+        ConvertOptions(ratio=2, ffn="prune", dtype="int8")
+    with pytest.raises(ConfigError, match="--ffn prune refits each pruned feed-forward pair on calibration text"):
+        comera_convert.convert(build("bert"), rank=8, ffn="prune")
+    with pytest.raises(ValueError, match="between 1 and 48 kept out features"):
+        PrunedLinear(16, 0, pruned="out", dense_features=48)
+
+
+@torch.no_grad()
+def test_up_is_refit_to_the_compressed_inputs_where_the_calibration_compensates():
+    up = nn.Linear(16, 48)
+    x = torch.randn(800, 16)
+    seen = x @ (torch.eye(16) + 0.2 * torch.randn(16, 16)) + 0.1  # what the compressed layers before give
+    stats = Calibration(grams={"up": (seen.T @ seen).double()}, sums={"up": seen.sum(0).double()},
+                        rows={"up": 800}, cross={"up": (seen.T @ x).double()}, dense_sums={"up": x.sum(0).double()})
+    target, before = up(x), rel_err(up(seen), up(x))
+    prune_up = nn.Linear(16, 48)
+    prune_up.load_state_dict(up.state_dict())
+    compensate_up(prune_up, "up", stats)
+    assert rel_err(prune_up(seen), target) < 0.05 * before
+    untouched = nn.Linear(16, 48)
+    untouched.load_state_dict(up.state_dict())
+    compensate_up(untouched, "up", Calibration(grams=stats.grams, sums=stats.sums, rows=stats.rows))
+    assert torch.equal(untouched.weight, up.weight)  # no cross statistics: fit to the dense inputs already
