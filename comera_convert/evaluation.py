@@ -238,8 +238,10 @@ def load_compared(compressed_name: str, reference_name: str | None = None, comma
 
 def restore_dense(compressed: torch.nn.Module, reference: torch.nn.Module, patterns: list[str]) -> list[str]:
     """Put the reference's dense module back in place of each compressed one whose name matches a
-    pattern (a glob or a dot-separated part, as `comera convert --exclude` takes them); returns the
-    names put back. Raises ConfigError for a pattern that matches no compressed module."""
+    pattern (a glob or a dot-separated part, as `comera convert --exclude` takes them), and the other
+    side of each pruned feed-forward pair so chosen; returns the names put back. Raises ConfigError
+    for a pattern that matches no compressed module."""
+    from .conversion.pruning import pruned_partner
     from .conversion.targets import matches
     from .layers.swap import set_submodule
 
@@ -252,6 +254,8 @@ def restore_dense(compressed: torch.nn.Module, reference: torch.nn.Module, patte
             raise ConfigError(expected(f"--dense patterns matching compressed modules (such as "
                                        f"{', '.join(replaced[:3])})", pattern))
     chosen = [name for name in replaced if any(matches(name, pattern) for pattern in patterns)]
+    partners = [pruned_partner(name, compressed_modules) for name in chosen]  # a pruned pair goes back whole
+    chosen += [name for name in dict.fromkeys(partners) if name is not None and name not in chosen]
     for name in chosen:
         set_submodule(compressed, name, copy.deepcopy(reference.get_submodule(name)))
     return chosen

@@ -195,3 +195,17 @@ def test_up_is_refit_to_the_compressed_inputs_where_the_calibration_compensates(
     untouched.load_state_dict(up.state_dict())
     compensate_up(untouched, "up", Calibration(grams=stats.grams, sums=stats.sums, rows=stats.rows))
     assert torch.equal(untouched.weight, up.weight)  # no cross statistics: fit to the dense inputs already
+
+
+def test_putting_back_one_side_of_a_pruned_pair_puts_back_both():
+    from comera_convert.evaluation import restore_dense
+
+    model, stats = _calibrated()
+    reference = build("bert").eval()
+    comera_convert.convert(model, rank=8, calibration=stats, ffn="prune")
+    restored = restore_dense(model, reference, ["encoder.layer.0.output.dense"])
+    assert sorted(restored) == ["encoder.layer.0.intermediate.dense", "encoder.layer.0.output.dense"]
+    assert type(model.encoder.layer[0].intermediate.dense) is nn.Linear
+    assert isinstance(model.encoder.layer[1].intermediate.dense, PrunedLinear)
+    restore_dense(model, reference, ["intermediate", "attention", "embeddings", "pooler"])
+    assert torch.allclose(outputs(model.eval()), outputs(reference), atol=1e-5)  # every module back: dense

@@ -1558,3 +1558,29 @@ def test_every_setting_a_resume_compares_is_named_as_the_user_gives_it():
             assert named.startswith(f"{name}: ") and f"--{name.replace('_', '-')}" not in flags
         else:
             assert named.split()[0] in flags, named
+
+
+def test_a_pruned_feed_forward_checkpoint_trains_and_keeps_its_widths(tmp_path, tokenizer, corpus):
+    from transformers import BertConfig, BertForMaskedLM
+
+    from comera_convert.conversion.calibration import collect
+    from comera_convert.conversion.targets import find_candidates
+    from comera_convert.layers import PrunedLinear
+
+    torch.manual_seed(0)
+    model = BertForMaskedLM(BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                       intermediate_size=128, vocab_size=tokenizer.vocab_size,
+                                       max_position_embeddings=64))
+    batches = [torch.randint(1000, 5000, (16, 24), generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    stats = collect(model, find_candidates(model)[0], batches, source="test")
+    comera_convert.convert(model, rank=24, d=1, calibration=stats, ffn="prune", word_embedding="tt")
+    model.save_pretrained(tmp_path / "tt")
+    tokenizer.save_pretrained(tmp_path / "tt")
+    widths = {n: (m.in_features, m.out_features) for n, m in model.named_modules() if isinstance(m, PrunedLinear)}
+    result = train(str(tmp_path / "tt"), TrainOptions(objective="mlm", data=str(corpus), **FAST), tmp_path / "out")
+    assert result.held_out_after < result.held_out_before
+    trained = comera_convert.from_pretrained(tmp_path / "out")
+    assert {n: (m.in_features, m.out_features) for n, m in trained.named_modules()
+            if isinstance(m, PrunedLinear)} == widths and len(widths) == 4
+    moved = trained.bert.encoder.layer[0].output.dense.weight
+    assert not torch.equal(moved, model.bert.encoder.layer[0].output.dense.weight)  # trained, not frozen

@@ -54,6 +54,18 @@ def ffn_pairs(candidates, specs) -> dict[str, str]:
     return pairs
 
 
+def pruned_partner(name: str, modules: dict[str, nn.Module]) -> str | None:
+    """The other side of the pruned pair that ``name`` belongs to (by ``FFN_PAIRS``), None where there is
+    none: a pruned pair is put back, or kept, as a whole (its two widths must agree)."""
+    for up_end, down_end in FFN_PAIRS:
+        for end, other_end in ((up_end, down_end), (down_end, up_end)):
+            if name == end or name.endswith("." + end):
+                other = name[:len(name) - len(end)] + other_end
+                if isinstance(modules.get(other), PrunedLinear) and isinstance(modules.get(name), PrunedLinear):
+                    return other
+    return None
+
+
 def kept_neurons(up, up_spec, down, down_spec) -> int:
     """The hidden neurons the pair keeps for the parameters its two low-rank specs would take (their
     cores and up's full bias), at least 1 and at most all."""
