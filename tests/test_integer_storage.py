@@ -15,6 +15,7 @@ from comera_convert.api import convert_checkpoint
 from comera_convert.conversion import ConvertOptions
 from comera_convert.conversion.storage import integer_axes, integer_format
 from comera_convert.errors import ConfigError, ModelLoadError
+from comera_convert.hf.config import FORMAT_VERSION
 from comera_convert.integer import IntegerFormat, dequantize, quantize
 from comera_convert.integer.rounding import pack_int4, unpack_int4
 
@@ -155,9 +156,10 @@ def test_a_damaged_or_unreadable_integer_checkpoint_is_refused_in_one_line(tmp_p
     config_path.write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="stores its factors as 'int3', which this comera_convert cannot read"):
         comera_convert.from_pretrained(tmp_path)
-    config["quantization_config"]["version"] = 5  # what an older release sees: a newer format
+    newer = FORMAT_VERSION + 1  # what an older release sees: a newer format
+    config["quantization_config"]["version"] = newer
     config_path.write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="format version 5, newer than this comera_convert understands"):
+    with pytest.raises(ModelLoadError, match=f"format version {newer}, newer than this comera_convert understands"):
         comera_convert.from_pretrained(tmp_path)
 
 

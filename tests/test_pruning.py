@@ -209,3 +209,35 @@ def test_putting_back_one_side_of_a_pruned_pair_puts_back_both():
     assert isinstance(model.encoder.layer[1].intermediate.dense, PrunedLinear)
     restore_dense(model, reference, ["intermediate", "attention", "embeddings", "pooler"])
     assert torch.allclose(outputs(model.eval()), outputs(reference), atol=1e-5)  # every module back: dense
+
+
+@torch.no_grad()
+def test_of_two_neurons_that_fire_alike_one_is_pruned_and_the_other_takes_its_part():
+    up, down = _pair(hidden=24)
+    up.weight[1], up.bias[1] = up.weight[0], up.bias[0]  # neuron 1 repeats neuron 0
+    down.weight[:, :2] *= 4  # the two carry the most output energy
+    x = torch.randn(600, 16)
+    new_up, new_down = prune_pair(up, down, 23, "down", _statistics(up, x))
+    assert sum(bool((row == up.weight[0]).all()) for row in new_up.weight) == 1  # one copy is enough
+    assert rel_err(_run(new_up, new_down, x), _run(up, down, x)) < 1e-2
+
+
+@torch.no_grad()
+def test_neurons_that_never_fire_are_pruned_without_a_failing_factorization():
+    up, down = _pair()
+    up.weight[40:], up.bias[40:] = 0, -50  # GELU(-50) is 0: eight dead neurons, a singular covariance
+    x = torch.randn(400, 16)
+    stats = _statistics(up, x)
+    stats.grams["down"][40:, 40:] = 0
+    new_up, new_down = prune_pair(up, down, 40, "down", stats)
+    assert (new_up.bias > -50).all()  # the dead ones went first
+    assert rel_err(_run(new_up, new_down, x), _run(up, down, x)) < 1e-2
+
+
+def test_a_covariance_rounding_left_indefinite_is_damped_before_it_is_inverted():
+    from comera_convert.conversion import pruning
+
+    covariance = torch.diag(torch.tensor([1.0, 1.0, 1.0, -1e-4]))  # what float32 rounding can leave
+    inverse = pruning._inverse(covariance)
+    damping = 10 * pruning.REFIT_RIDGE * float(covariance.diagonal().mean())
+    assert torch.allclose(inverse @ (covariance + damping * torch.eye(4)), torch.eye(4), atol=1e-5)

@@ -1237,7 +1237,7 @@ def test_the_budget_closes_the_entries_the_loss_needs_least(tmp_path, tokenizer)
     ("at current", "target ratio 2 is not above the model's current ratio 2.0"),
     ("beyond floors", r"target ratio 1000 is beyond what the smallest ranks allow: \d+\.\d\dx with every bond at "
                       r"its floor \(rank 1\), and \d\.\d\d M parameters outside the gates \(layers kept dense, "
-                      r"codebook tables\); ask for at most"),
+                      r"codebook tables, pruned feed-forward pairs\); ask for at most"),
     ("no late stage", "needs a late stage to compress in: 16 steps with 16 early steps leave none")])
 def test_target_ratios_that_cannot_be_headed_for_are_refused(tmp_path, tokenizer, corpus, problem, expected):
     path = compressed(tmp_path, tokenizer, ratio=2)

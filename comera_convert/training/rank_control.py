@@ -230,7 +230,7 @@ class RankController:
             raise ConfigError(f"target ratio {target_ratio:g} is beyond what the smallest ranks allow: "
                               f"{ceiling:.2f}x with every bond at its floor ({self.floor_description()}), "
                               f"and {self.ungated_params() / 1e6:.2f} M parameters outside the gates (layers "
-                              f"kept dense, codebook tables); ask for at most {ceiling:.2f}, or convert at a "
+                              f"kept dense, codebook tables, pruned feed-forward pairs); ask for at most {ceiling:.2f}, or convert at a "
                               "higher --ratio first")
 
     def ungated_params(self) -> int:
