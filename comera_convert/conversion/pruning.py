@@ -45,15 +45,17 @@ REMOVAL_GROUPS = 64
 def ffn_pairs(candidates, specs) -> dict[str, str]:
     """up name -> down name for each feed-forward pair (``FFN_PAIRS``) of two nn.Linear candidates of
     matching widths that both have a spec (the allocation compresses both), down with a bias (the
-    refit's intercept)."""
+    refit's intercept) and after up (the converter meets up first and holds it for down)."""
     found = {c.name: (c, spec) for c, spec in zip(candidates, specs)}
+    order = {name: index for index, name in enumerate(found)}
     pairs = {}
     for name, (up, spec) in found.items():
         for up_end, down_end in FFN_PAIRS:
             if spec is None or not (name == up_end or name.endswith("." + up_end)):
                 continue
             down, down_spec = found.get(name[:len(name) - len(up_end)] + down_end, (None, None))
-            if (down is not None and down_spec is not None and type(up.module) is nn.Linear
+            if (down is not None and down_spec is not None and order[down.name] > order[name]
+                    and type(up.module) is nn.Linear
                     and type(down.module) is nn.Linear and down.module.bias is not None
                     and down.rows == up.cols and down.cols == up.rows):
                 pairs[name] = down.name
