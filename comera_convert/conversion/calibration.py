@@ -310,13 +310,14 @@ def correct_bias(layer, dense_weight: torch.Tensor, name: str, stats: Calibratio
     """Shift a converted linear layer's bias by the mean change of its output on the calibration
     inputs, W mu - W_tt mu^, so that the compression error has zero mean there (as bias correction
     does for quantization); mu^ = mu but where the calibration compensates (the inputs the
-    compressed layers before it produce). Layers without a bias are left as they are."""
+    compressed layers before it produce). Layers without a bias are left as they are. ``layer`` is a
+    TTLinear or an nn.Linear (``weight``: the (out, in) matrix either represents)."""
     if layer.bias is None or name not in stats.sums:
         return
     rows = stats.rows[name]
     mean_input = (stats.sums[name] / rows).to(layer.bias.device)
     dense_mean = (stats.dense_sums[name] / rows).to(layer.bias.device) if name in stats.dense_sums else mean_input
-    change = dense_weight.double() @ dense_mean - layer.dense_weight().double() @ mean_input  # (out, in) weights
+    change = dense_weight.double() @ dense_mean - layer.weight.double() @ mean_input  # (out, in) weights
     layer.bias.add_(change.to(layer.bias.dtype))
 
 

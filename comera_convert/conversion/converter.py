@@ -170,11 +170,7 @@ def swap_in(model: nn.Module, candidates, specs, options: ConvertOptions, calibr
             kept = kept_neurons(up, up_spec, candidate, spec)
             for old, new in zip((up, candidate), prune_pair(up.module, candidate.module, kept, candidate.name,
                                                             calibration)):
-                set_submodule(model, old.name, new)
-                if load is not None:
-                    old.module.to("meta")
-                if release is not None:
-                    release(old.name)
+                _put_in_place(model, old, new, load, release)
             continue
         if isinstance(spec, CodebookSpec):
             new = CodebookEmbedding.from_embedding(candidate.module, spec.subspaces, spec.codewords,
@@ -182,11 +178,17 @@ def swap_in(model: nn.Module, candidates, specs, options: ConvertOptions, calibr
             _round_for_storage(new, options, candidate.name)
         else:
             new = _tt_module(candidate, spec, options, calibration)
-        set_submodule(model, candidate.name, new)
-        if load is not None:  # streaming: the dense weight read for this layer is not needed again
-            candidate.module.to("meta")
-        if release is not None:
-            release(candidate.name)
+        _put_in_place(model, candidate, new, load, release)
+
+
+def _put_in_place(model: nn.Module, candidate, new: nn.Module, load, release) -> None:
+    """``new`` in the candidate's place; streaming, the dense weights read for it let go and the new
+    module handed to ``release``."""
+    set_submodule(model, candidate.name, new)
+    if load is not None:  # streaming: the dense weight read for this layer is not needed again
+        candidate.module.to("meta")
+    if release is not None:
+        release(candidate.name)
 
 
 def _tt_module(candidate, spec, options: ConvertOptions, calibration: Calibration | None) -> TTModule:

@@ -31,7 +31,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..layers.pruned_linear import PrunedLinear
 from ..tt.counting import num_params
-from .calibration import Calibration, compensated_matrix
+from .calibration import Calibration, compensated_matrix, correct_bias
 
 # The endings of a block's feed-forward pair (up, down) that have an elementwise activation between
 # them: BERT, RoBERTa, MPNet, ELECTRA, DeBERTa name them so (intermediate.dense -> act -> output.dense).
@@ -53,9 +53,10 @@ def ffn_pairs(candidates, specs) -> dict[str, str]:
     pairs = {}
     for name, (up, spec) in found.items():
         for up_end, down_end in FFN_PAIRS:
-            if spec is None or not (name == up_end or name.endswith("." + up_end)):
+            down_name = _other_end(name, up_end, down_end)
+            if spec is None or down_name is None:
                 continue
-            down, down_spec = found.get(name[:len(name) - len(up_end)] + down_end, (None, None))
+            down, down_spec = found.get(down_name, (None, None))
             if (down is not None and down_spec is not None and order[down.name] > order[name]
                     and type(up.module) is nn.Linear
                     and type(down.module) is nn.Linear and down.module.bias is not None
@@ -69,11 +70,18 @@ def pruned_partner(name: str, modules: dict[str, nn.Module]) -> str | None:
     none: a pruned pair is put back, or kept, as a whole (its two widths must agree)."""
     for up_end, down_end in FFN_PAIRS:
         for end, other_end in ((up_end, down_end), (down_end, up_end)):
-            if name == end or name.endswith("." + end):
-                other = name[:len(name) - len(end)] + other_end
-                if isinstance(modules.get(other), PrunedLinear) and isinstance(modules.get(name), PrunedLinear):
-                    return other
+            other = _other_end(name, end, other_end)
+            if isinstance(modules.get(other), PrunedLinear) and isinstance(modules.get(name), PrunedLinear):
+                return other
     return None
+
+
+def _other_end(name: str, end: str, other_end: str) -> str | None:
+    """``name`` with its ending ``end`` (whole dot-separated parts) replaced by ``other_end``; None
+    where it does not end so."""
+    if name != end and not name.endswith("." + end):
+        return None
+    return name[:len(name) - len(end)] + other_end
 
 
 def kept_neurons(up, up_spec, down, down_spec) -> int:
@@ -91,14 +99,9 @@ def compensate_up(up: nn.Linear, name: str, stats: Calibration) -> None:
     statistics then record, and the rows the pair keeps, make up for the error before the pair."""
     if name not in stats.cross:
         return
-    dense = up.weight.detach().double()
-    refit = compensated_matrix(up.weight.detach().t(), stats.grams[name], stats.cross[name]).t()
-    up.weight.copy_(refit)
-    if up.bias is not None:
-        rows = stats.rows[name]
-        mean_seen, mean_dense = stats.sums[name] / rows, stats.dense_sums[name] / rows
-        change = dense @ mean_dense.to(dense.device) - refit.double() @ mean_seen.to(dense.device)
-        up.bias.add_(change.to(up.bias.dtype))
+    dense = up.weight.detach().clone()
+    up.weight.copy_(compensated_matrix(dense.t(), stats.grams[name], stats.cross[name]).t())
+    correct_bias(up, dense, name, stats)
 
 
 @torch.no_grad()
