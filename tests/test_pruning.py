@@ -7,14 +7,17 @@ import json
 import pytest
 import torch
 import transformers as tf
+from safetensors import safe_open
 from torch import nn
 
 import comera_convert
 from comera_convert import ConvertOptions
 from comera_convert.conversion.calibration import Calibration, collect
 from comera_convert.conversion.pruning import compensate_up, ffn_pairs, kept_neurons, prune_pair
+from comera_convert.conversion.storage import MIN_INTEGER_VALUES, integer_format, train_on_the_grid
 from comera_convert.conversion.targets import find_candidates
 from comera_convert.errors import ConfigError, ModelLoadError
+from comera_convert.integer import fake_quantize
 from comera_convert.layers import PrunedLinear, TTLinear
 from comera_convert.tt.counting import num_params
 
@@ -135,6 +138,8 @@ def test_kept_neurons_match_the_two_low_rank_specs_budget():
     kept = kept_neurons(up, up_spec, down, down_spec)
     low_rank = num_params(up_spec) + num_params(down_spec) + 128  # up's bias is full width there
     assert kept * (64 + 1 + 64) <= low_rank < (kept + 1) * (64 + 1 + 64)
+    in_eights = kept_neurons(up, up_spec, down, down_spec, 8)  # a rank multiple (or int4's 2)
+    assert in_eights % 8 == 0 and kept - 8 < in_eights <= kept
 
 
 def test_a_pruned_checkpoint_loads_back_equal_and_decompresses_to_the_dense_shapes(tmp_path):
@@ -156,6 +161,47 @@ def test_a_pruned_checkpoint_loads_back_equal_and_decompresses_to_the_dense_shap
     assert rel_err(outputs(plain), outputs(model)) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_an_integer_pruned_checkpoint_stores_the_pruned_layers_as_integers_and_loads_back_equal(dtype, tmp_path):
+    model, stats = _calibrated("bert-mlm")
+    # rank 32: the pair keeps 96 neurons, so each side holds 96 x 64 values, above MIN_INTEGER_VALUES.
+    comera_convert.convert(model, rank=32, calibration=stats, ffn="prune", dtype=dtype)
+    up, down = model.bert.encoder.layer[0].intermediate.dense, model.bert.encoder.layer[0].output.dense
+    assert isinstance(up, PrunedLinear) and min(up.weight.numel(), down.weight.numel()) >= MIN_INTEGER_VALUES
+    model.save_pretrained(tmp_path)
+    with safe_open(tmp_path / "model.safetensors", "pt") as stored:
+        for name in ("intermediate.dense", "output.dense"):
+            key = f"bert.encoder.layer.0.{name}.weight"
+            assert stored.get_slice(key).get_dtype() in ("I8", "U8") and f"{key}_scale" in stored.keys()
+    loaded = comera_convert.from_pretrained(tmp_path).eval()
+    assert isinstance(loaded.bert.encoder.layer[0].output.dense, PrunedLinear)
+    assert torch.equal(outputs(loaded), outputs(model.eval()))  # rounded as made: in memory as stored
+    float_model, float_stats = _calibrated("bert-mlm")
+    comera_convert.convert(float_model, rank=32, calibration=float_stats, ffn="prune")
+    dense = outputs(build("bert-mlm").eval())
+    # int8 rounds the pruned layers by less than the pruning changes them; int4 within twice that
+    bound = 1.05 if dtype == "int8" else 2
+    assert rel_err(outputs(loaded), dense) < bound * rel_err(outputs(float_model.eval()), dense)
+
+
+def test_on_the_grid_a_pruned_layer_runs_on_its_rounded_weight_and_passes_gradients():
+    model, stats = _calibrated()
+    comera_convert.convert(model, rank=32, calibration=stats, ffn="prune")
+    up = model.encoder.layer[0].intermediate.dense
+    x = torch.randn(5, 64)
+    floats = up(x)
+    fmt = integer_format("int4")
+    train_on_the_grid(model, fmt)
+    assert up.integer_format is fmt
+    on_grid = up(x)
+    assert torch.allclose(on_grid, nn.functional.linear(x, fake_quantize(up.weight, fmt, 0), up.bias))
+    assert not torch.allclose(on_grid, floats)
+    on_grid.sum().backward()
+    assert up.weight.grad is not None and up.weight.grad.abs().sum() > 0
+    train_on_the_grid(model, None)
+    assert up.integer_format is None and torch.equal(up(x), floats)
+
+
 def test_a_damaged_pruned_record_is_refused_in_one_line(tmp_path):
     model, stats = _calibrated()
     comera_convert.convert(model, rank=8, calibration=stats, ffn="prune")
@@ -171,8 +217,6 @@ def test_a_damaged_pruned_record_is_refused_in_one_line(tmp_path):
 def test_refusals_say_what_was_expected():
     with pytest.raises(ConfigError, match=r"ffn in \('low-rank', 'prune'\).*'lowrank'"):
         ConvertOptions(ratio=2, ffn="lowrank")
-    with pytest.raises(ConfigError, match="integer storage does not round.*got int8"):
-        ConvertOptions(ratio=2, ffn="prune", dtype="int8")
     with pytest.raises(ConfigError, match="--ffn prune refits each pruned feed-forward pair on calibration text"):
         comera_convert.convert(build("bert"), rank=8, ffn="prune")
     with pytest.raises(ValueError, match="between 1 and 48 kept out features"):

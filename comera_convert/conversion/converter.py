@@ -163,13 +163,15 @@ def swap_in(model: nn.Module, candidates, specs, options: ConvertOptions, calibr
             load(candidate.name)
         if candidate.name in pairs:  # up: stays dense until down's inputs are recorded through it
             compensate_up(candidate.module, candidate.name, calibration)
+            _round_for_storage(candidate.module, options, candidate.name)  # by row: the kept rows as stored
             waiting[pairs[candidate.name]] = (candidate, spec)
             continue
         if candidate.name in waiting:
             up, up_spec = waiting.pop(candidate.name)
-            kept = kept_neurons(up, up_spec, candidate, spec)
+            kept = kept_neurons(up, up_spec, candidate, spec, _kept_multiple(options))
             for old, new in zip((up, candidate), prune_pair(up.module, candidate.module, kept, candidate.name,
                                                             calibration)):
+                _round_for_storage(new, options, old.name)
                 _put_in_place(model, old, new, load, release)
             continue
         if isinstance(spec, CodebookSpec):
@@ -179,6 +181,13 @@ def swap_in(model: nn.Module, candidates, specs, options: ConvertOptions, calibr
         else:
             new = _tt_module(candidate, spec, options, calibration)
         _put_in_place(model, candidate, new, load, release)
+
+
+def _kept_multiple(options: ConvertOptions) -> int:
+    """What a pruned pair's kept neurons are a multiple of: the rank multiple, doubled where it is odd
+    under int4 storage (two of a row's values a byte: down's rows are as long as the neurons kept)."""
+    odd_for_int4 = options.dtype == "int4" and options.rank_multiple % 2
+    return options.rank_multiple * (2 if odd_for_int4 else 1)
 
 
 def _put_in_place(model: nn.Module, candidate, new: nn.Module, load, release) -> None:

@@ -253,9 +253,6 @@ class ConvertOptions:
             raise ConfigError(expected("compensate as true or false", self.compensate))
         if self.ffn not in FFN_METHODS:
             raise ConfigError(expected(f"ffn in {FFN_METHODS}", self.ffn))
-        if self.ffn == "prune" and self.dtype in ("int8", "int4"):
-            raise ConfigError(f"--ffn prune keeps its feed-forward layers as plain linears, which integer storage "
-                              f"does not round: give --dtype float32, bfloat16 or float16 with it (got {self.dtype})")
         if self.dtype is not None:
             check_storage(self.dtype, self.group_size)
         elif self.group_size is not None:

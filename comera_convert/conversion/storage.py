@@ -119,13 +119,17 @@ def round_in_place(module: nn.Module, fmt: IntegerFormat, module_name: str = "")
 
 
 def train_on_the_grid(model: nn.Module, fmt: IntegerFormat | None) -> None:
-    """Make every TT layer and codebook table of ``model`` run on its factors rounded to ``fmt``
-    (None: on the floats again): training then learns what integer storage keeps."""
-    from ..layers import CodebookEmbedding, TTModule
+    """Make every TT layer, codebook table and pruned linear that integer storage rounds run on its
+    factors rounded to ``fmt`` (None: on the floats again): training then learns what integer
+    storage keeps."""
+    from ..layers import CodebookEmbedding, PrunedLinear, TTModule
 
-    for module in model.modules():
+    rounded = integer_axes(model)
+    for name, module in model.named_modules():
         if isinstance(module, (TTModule, CodebookEmbedding)):
             module.integer_format = fmt
+        elif isinstance(module, PrunedLinear) and (f"{name}.weight" if name else "weight") in rounded:
+            module.integer_format = fmt  # a scale per row, as integer_axes stores it
 
 
 @torch.no_grad()

@@ -7,20 +7,30 @@ with fewer outputs (``pruned="out"``: up), one with fewer inputs (``pruned="in"`
 is nn.Linear plus the width it was pruned from, which the checkpoint records and ``expanded``
 restores (the pruned neurons as zeros: ``act(0)`` is 0 for GELU, ReLU and SiLU, and a zero column
 of ``down`` ignores them anyway), for ``comera decompress``.
+
+With integer storage (``--dtype int8|int4``) its weight is stored as every dense matrix is (a scale
+per row, or per group of a row's values); ``integer_format`` set, the forward pass runs on the
+weight rounded so (``fake_quantize``), as a TT layer's on its cores, so that reconstruction and
+training learn what the rounding keeps.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from ..errors import expected
+from ..integer import fake_quantize
 
 SIDES = ("out", "in")
 
 
 class PrunedLinear(nn.Linear):
-    """nn.Linear with ``pruned`` ("out" or "in") features kept of ``dense_features``."""
+    """nn.Linear with ``pruned`` ("out" or "in") features kept of ``dense_features``; ``integer_format``
+    (None: float) the grid its forward pass rounds the weight to (module docstring)."""
+
+    integer_format = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, pruned: str,
                  dense_features: int, device=None, dtype=None):
@@ -31,6 +41,11 @@ class PrunedLinear(nn.Linear):
             raise ValueError(expected(f"between 1 and {dense_features} kept {pruned} features", kept))
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.pruned, self.dense_features = pruned, dense_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.integer_format is None:
+            return super().forward(x)
+        return F.linear(x, fake_quantize(self.weight, self.integer_format, 0), self.bias)
 
     @property
     def kept(self) -> int:
