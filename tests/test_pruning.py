@@ -3,6 +3,7 @@ replaces, the neurons it keeps, the budget it spends, checkpoints that load back
 and the refusals."""
 
 import json
+import logging
 
 import pytest
 import torch
@@ -200,6 +201,30 @@ def test_on_the_grid_a_pruned_layer_runs_on_its_rounded_weight_and_passes_gradie
     assert up.weight.grad is not None and up.weight.grad.abs().sum() > 0
     train_on_the_grid(model, None)
     assert up.integer_format is None and torch.equal(up(x), floats)
+
+
+@pytest.mark.parametrize("case", ["gpt2", "llama-clm"])
+def test_a_model_without_a_bert_family_pair_says_its_feed_forward_layers_stay_low_rank(case, caplog):
+    model, stats = _calibrated(case)
+    with caplog.at_level(logging.WARNING, logger="comera_convert"):
+        comera_convert.convert(model, rank=8, calibration=stats, ffn="prune")
+    assert "--ffn prune found no feed-forward pair to prune" in caplog.text
+    assert not any(isinstance(m, PrunedLinear) for m in model.modules())
+    assert any(isinstance(m, TTLinear) for m in model.modules())
+
+
+def test_training_gives_a_pruned_layers_weight_the_factors_rate_and_its_bias_the_rest():
+    from comera_convert.training import TrainOptions
+    from comera_convert.training.trainer import parameter_groups
+
+    model, stats = _calibrated()
+    comera_convert.convert(model, rank=8, calibration=stats, ffn="prune")
+    groups = {g["name"]: (g["lr"], {id(p) for p in g["params"]}) for g in
+              parameter_groups(model, TrainOptions(objective="distill", lr_cores=1e-3, lr_rest=1e-4))}
+    down = model.encoder.layer[1].output.dense
+    assert isinstance(down, PrunedLinear)
+    assert id(down.weight) in groups["cores"][1] and groups["cores"][0] == 1e-3
+    assert id(down.bias) in groups["rest"][1] and groups["rest"][0] == 1e-4
 
 
 def test_a_damaged_pruned_record_is_refused_in_one_line(tmp_path):

@@ -96,7 +96,8 @@ OPTION_NAMES = ["objective", "data", "steps", "minutes", "seq_len", "batch_size"
               help="Blocks per step and device [default: 8].")
 @click.option("--gradient-accumulation-steps", type=int, default=None)
 @click.option("--lr-cores", type=float, default=None,
-              help="AdamW rate of the TT cores [default: 1e-4; 1e-3 to distill].")
+              help="AdamW rate of the compressed layers' factors: TT cores and pruned layers' weights "
+                   "[default: 1e-4; 1e-3 to distill].")
 @click.option("--lr-gates", type=float, default=None, help="AdamW rate of the rank gates [default: 1e-3].")
 @click.option("--lr-rest", type=float, default=None,
               help="AdamW rate of dense parameters [default: 5e-5; 1e-4 to distill].")

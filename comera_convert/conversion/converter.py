@@ -7,6 +7,7 @@ the public verb then records the compression in the model's config (``hf/``), so
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable
 
@@ -27,6 +28,8 @@ from .report import ConversionReport, describe
 from .storage import integer_storage, round_in_place
 from .strategies import STRATEGIES, UNIFORM_DESCRIPTION, Allocation, AllocationRequest
 from .targets import find_candidates
+
+logger = logging.getLogger("comera_convert")
 
 
 def count_params(model: nn.Module) -> int:
@@ -71,6 +74,9 @@ def convert_modules(model: nn.Module, options: ConvertOptions, calibration: Cali
         if spec is None:
             skipped[candidate.name] = (f"TT at rank {allocation.shared_rank} would not be smaller"
                                        if allocation.shared_rank else f"kept dense by the {options.allocation} allocation")
+    if options.ffn == "prune" and not ffn_pairs(candidates, allocation.specs):
+        logger.warning("--ffn prune found no feed-forward pair to prune (a BERT-family block's intermediate.dense "
+                       "-> output.dense, both compressed): the feed-forward layers are low-rank")
     swap_in(model, candidates, allocation.specs, options, calibration, progress, load=load, release=release)
 
     converted = {c.name for c, s in zip(candidates, allocation.specs) if s is not None}

@@ -109,7 +109,8 @@ class TrainOptions:
     seq_len: int = 128
     batch_size: int = 8  # per device, as TrainingArguments' per_device_train_batch_size
     gradient_accumulation_steps: int = 1
-    # CoMERA's three AdamW learning rates (None: by objective, PRETRAINING_DEFAULTS / DISTILL_DEFAULTS).
+    # CoMERA's three AdamW learning rates (None: by objective, PRETRAINING_DEFAULTS / DISTILL_DEFAULTS):
+    # the compressed layers' factors (TT cores, pruned layers' weights), the rank gates, the rest.
     lr_cores: float | None = None
     lr_gates: float = 1e-3
     lr_rest: float | None = None

@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 from transformers import Trainer, TrainerCallback
 
 from ..errors import ComeraError
-from ..layers import TTModule
+from ..layers import PrunedLinear, TTModule
 from .objectives import task_loss
 from .rank_control import RankController, RankState
 from .rank_cuts import CUT_POINTS, cut_closed_ranks, points_reached
@@ -47,13 +47,17 @@ class TrainingDiverged(ComeraError):
 
 
 def parameter_groups(model, options) -> list[dict]:
+    """AdamW's three groups: the compressed layers' factors (TT cores, and a pruned feed-forward
+    layer's weight, which is what its pair keeps of the dense one) at ``lr_cores``, the rank gates at
+    ``lr_gates``, the rest (norms, biases, layers left dense) at ``lr_rest``."""
     cores, gates, rest = [], [], []
+    pruned = {id(module.weight) for module in model.modules() if isinstance(module, PrunedLinear)}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         if ".gates." in f".{name}":
             gates.append(param)
-        elif ".cores." in f".{name}":
+        elif ".cores." in f".{name}" or id(param) in pruned:
             cores.append(param)
         else:
             rest.append(param)
