@@ -409,5 +409,9 @@ def test_convert_with_pruned_feed_forward_pairs(dense_dir, tmp_path):
     report = json.loads((out / "comera_report.json").read_text())
     kept = {row["name"]: row["ranks"] for row in report["modules"] if row["layout"] == "pruned"}
     assert len(kept) == 4 and all(0 < ranks[0] < 128 for ranks in kept.values())
-    _one_line_error(run("convert", dense_dir, "--ratio", "2", "--ffn", "prune", "--dtype", "int8",
-                        "--out", tmp_path / "int8"), "--ffn prune", "got int8")
+    stored = run("convert", dense_dir, "--rank", "8", "--ffn", "prune", "--dtype", "int8", "--calibration", texts,
+                 "--calibration-sequences", "16", "--out", tmp_path / "int8")
+    assert stored.exit_code == 0, stored.output
+    assert json.loads((tmp_path / "int8" / "config.json").read_text())["quantization_config"]["storage"]["format"] == "int8"
+    _one_line_error(run("convert", dense_dir, "--ratio", "2", "--ffn", "prune", "--no-calibration",
+                        "--out", tmp_path / "uncalibrated"), "--ffn prune refits each pruned feed-forward pair")
