@@ -139,7 +139,7 @@ def test_kept_neurons_match_the_two_low_rank_specs_budget():
     kept = kept_neurons(up, up_spec, down, down_spec)
     low_rank = num_params(up_spec) + num_params(down_spec) + 128  # up's bias is full width there
     assert kept * (64 + 1 + 64) <= low_rank < (kept + 1) * (64 + 1 + 64)
-    in_eights = kept_neurons(up, up_spec, down, down_spec, 8)  # a rank multiple (or int4's 2)
+    in_eights = kept_neurons(up, up_spec, down, down_spec, 8)  # a rank multiple (or int4's 16)
     assert in_eights % 8 == 0 and kept - 8 < in_eights <= kept
 
 
@@ -169,6 +169,7 @@ def test_an_integer_pruned_checkpoint_stores_the_pruned_layers_as_integers_and_l
     comera_convert.convert(model, rank=32, calibration=stats, ffn="prune", dtype=dtype)
     up, down = model.bert.encoder.layer[0].intermediate.dense, model.bert.encoder.layer[0].output.dense
     assert isinstance(up, PrunedLinear) and min(up.weight.numel(), down.weight.numel()) >= MIN_INTEGER_VALUES
+    assert up.kept % (16 if dtype == "int4" else 1) == 0  # int4: groups that divide down's rows
     model.save_pretrained(tmp_path)
     with safe_open(tmp_path / "model.safetensors", "pt") as stored:
         for name in ("intermediate.dense", "output.dense"):

@@ -86,8 +86,8 @@ def _other_end(name: str, end: str, other_end: str) -> str | None:
 
 def kept_neurons(up, up_spec, down, down_spec, multiple: int = 1) -> int:
     """The hidden neurons the pair keeps for the parameters its two low-rank specs would take (their
-    cores and up's full bias): a multiple of ``multiple`` (the conversion's rank multiple; even for
-    int4 storage, which packs two of a row's values a byte), at least one multiple and at most all."""
+    cores and up's full bias): a multiple of ``multiple`` (the conversion's rank multiple, or what
+    int4 storage's groups need: converter.INT4_KEPT_MULTIPLE), at least one multiple and at most all."""
     budget = num_params(up_spec) + num_params(down_spec) + up.cols
     affordable = budget // (up.rows + down.cols + 1) // multiple * multiple
     return max(min(multiple, up.cols), min(up.cols, affordable))
