@@ -8,7 +8,6 @@ the public verb then records the compression in the model's config (``hf/``), so
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import Callable
 
@@ -23,7 +22,7 @@ from ..tt.decompose import matrix_to_cores
 from .allocate import LayoutChoice
 from .calibration import Calibration, correct_bias, weighted_decomposer
 from .options import ConvertOptions
-from .pruning import compensate_up, ffn_pairs, kept_neurons, prune_pair
+from .pruning import compensate_up, ffn_pairs, kept_multiple, kept_neurons, prune_pair
 from .records import tie_head
 from .report import ConversionReport, describe
 from .storage import integer_storage, round_in_place
@@ -175,7 +174,7 @@ def swap_in(model: nn.Module, candidates, specs, options: ConvertOptions, calibr
             continue
         if candidate.name in waiting:
             up, up_spec = waiting.pop(candidate.name)
-            kept = kept_neurons(up, up_spec, candidate, spec, _kept_multiple(options))
+            kept = kept_neurons(up, up_spec, candidate, spec, kept_multiple(options.rank_multiple, options.dtype))
             for old, new in zip((up, candidate), prune_pair(up.module, candidate.module, kept, candidate.name,
                                                             calibration)):
                 _round_for_storage(new, options, old.name)
@@ -188,19 +187,6 @@ def swap_in(model: nn.Module, candidates, specs, options: ConvertOptions, calibr
         else:
             new = _tt_module(candidate, spec, options, calibration)
         _put_in_place(model, candidate, new, load, release)
-
-
-# Under int4 storage a pruned pair keeps a multiple of this many neurons: down's rows are as long as
-# the neurons kept, int4 packs two values a byte and keeps a scale per group of a row's values that
-# divides it (128 where it can): 1486 neurons (2 x 743) would get one scale a row, 1472 = 16 x 92 gets
-# 16 groups of 92. At most 15 neurons fewer (1 % of a 3072-wide pair's at --ratio 2).
-INT4_KEPT_MULTIPLE = 16
-
-
-def _kept_multiple(options: ConvertOptions) -> int:
-    """What a pruned pair's kept neurons are a multiple of: the rank multiple, and INT4_KEPT_MULTIPLE
-    under int4 storage."""
-    return math.lcm(options.rank_multiple, INT4_KEPT_MULTIPLE) if options.dtype == "int4" else options.rank_multiple
 
 
 def _put_in_place(model: nn.Module, candidate, new: nn.Module, load, release) -> None:

@@ -39,6 +39,11 @@ FFN_PAIRS = (("intermediate.dense", "output.dense"),)
 # The activations' covariance is damped by this share of its mean diagonal before down is refit
 # (neurons that fire together would otherwise get large opposite weights).
 REFIT_RIDGE = 1e-3
+# Under int4 storage a pruned pair keeps a multiple of this many neurons: down's rows are as long as
+# the neurons kept, int4 packs two values a byte and keeps a scale per group of a row's values that
+# divides it (128 where it can): 1486 neurons (2 x 743) would get one scale a row, 1472 = 16 x 92 gets
+# 16 groups of 92. At most 15 neurons fewer (1 % of a 3072-wide pair's at --ratio 2).
+INT4_KEPT_MULTIPLE = 16
 # Neurons are removed in this many groups (``surviving_neurons``): each group costs one update of the
 # hidden x hidden inverse, and one at a time (1152 updates of a 3072-wide pair) would take minutes.
 REMOVAL_GROUPS = 64
@@ -84,10 +89,16 @@ def _other_end(name: str, end: str, other_end: str) -> str | None:
     return name[:len(name) - len(end)] + other_end
 
 
+def kept_multiple(rank_multiple: int, dtype: str | None) -> int:
+    """What a pruned pair's kept neurons are a multiple of: the conversion's rank multiple, and
+    INT4_KEPT_MULTIPLE under int4 storage."""
+    return math.lcm(rank_multiple, INT4_KEPT_MULTIPLE) if dtype == "int4" else rank_multiple
+
+
 def kept_neurons(up, up_spec, down, down_spec, multiple: int = 1) -> int:
     """The hidden neurons the pair keeps for the parameters its two low-rank specs would take (their
-    cores and up's full bias): a multiple of ``multiple`` (the conversion's rank multiple, or what
-    int4 storage's groups need: converter.INT4_KEPT_MULTIPLE), at least one multiple and at most all."""
+    cores and up's full bias): a multiple of ``multiple`` (``kept_multiple``), at least one multiple
+    and at most all."""
     budget = num_params(up_spec) + num_params(down_spec) + up.cols
     affordable = budget // (up.rows + down.cols + 1) // multiple * multiple
     return max(min(multiple, up.cols), min(up.cols, affordable))
