@@ -312,3 +312,41 @@ def test_a_covariance_rounding_left_indefinite_is_damped_before_it_is_inverted()
     inverse = pruning._inverse(covariance)
     damping = 10 * pruning.REFIT_RIDGE * float(covariance.diagonal().mean())
     assert torch.allclose(inverse @ (covariance + damping * torch.eye(4)), torch.eye(4), atol=1e-5)
+
+
+def test_by_default_a_calibrated_ratio_prunes_and_every_other_conversion_stays_low_rank():
+    assert ConvertOptions(ratio=4, calibration="english").ffn == "prune"
+    assert ConvertOptions(ratio=4).ffn == "low-rank"  # nothing to refit down on
+    assert ConvertOptions(rank=8, calibration="english").ffn == "low-rank"  # CoMERA's TT, for rank adaptation
+    assert ConvertOptions(ratio=4, calibration="english", allocation="learned").ffn == "low-rank"
+    assert ConvertOptions(ratio=4, calibration="english", d=2).ffn == "low-rank"
+    assert ConvertOptions(ratio=4, calibration="english", ffn="low-rank").ffn == "low-rank"
+    # comera convert names its default calibration after the options are made: the choice follows it.
+    assert ConvertOptions(ratio=4).replace(calibration="english").ffn == "prune"
+    assert ConvertOptions(ratio=4, calibration="english").replace(calibration=None).ffn == "low-rank"
+    assert ConvertOptions(ratio=4, calibration="english").chosen_by_default("ffn")
+    assert not ConvertOptions(ratio=4, calibration="english", ffn="prune").chosen_by_default("ffn")
+
+
+def test_the_default_on_a_model_without_a_bert_family_pair_stays_low_rank_without_a_warning(caplog):
+    model, stats = _calibrated("gpt2")
+    options = ConvertOptions(ratio=1.5, calibration="english", reconstruct_steps=0)
+    assert options.ffn == "prune"
+    with caplog.at_level(logging.WARNING, logger="comera_convert"):
+        comera_convert.convert(model, options, calibration=stats)
+    assert "--ffn prune" not in caplog.text
+    assert any(isinstance(m, TTLinear) for m in model.modules())
+    assert not any(isinstance(m, PrunedLinear) for m in model.modules())
+
+
+def test_a_target_ratio_on_pruned_pairs_says_they_keep_their_neurons(caplog):
+    from comera_convert.training import TrainOptions
+    from comera_convert.training.rank_control import RankController
+
+    model, stats = _calibrated()
+    dense = sum(p.numel() for p in model.parameters())
+    report = comera_convert.convert(model, rank=8, calibration=stats, ffn="prune")
+    options = TrainOptions(steps=100, target_ratio=1.2 * dense / report.params_after).for_objective("mlm")
+    with caplog.at_level(logging.WARNING, logger="comera_convert"):
+        RankController(model, options, dense_params=dense)
+    assert "4 pruned feed-forward layers" in caplog.text and "--ffn low-rank" in caplog.text

@@ -34,6 +34,7 @@ def test_reconstruction_lowers_each_kept_blocks_held_out_error_and_reports_it(tm
     tuned = _converted(tmp_path, "tuned", reconstruct_steps=60, reconstruct_lr=1e-2)
     fits = tuned.report.extra["reconstruction"]
     assert [fit["block"] for fit in fits] == [0, 1]
+    assert all(fit["steps"] == 60 and fit["lr"] == 1e-2 for fit in fits)
     assert any(fit["kept"] for fit in fits)
     for fit in fits:
         assert fit["error_after"] < fit["error_before"] if fit["kept"] else fit["error_after"] == fit["error_before"]
@@ -59,6 +60,23 @@ def test_a_diverging_block_keeps_its_closed_form_fit_with_a_warning(tmp_path, ca
     plain, diverged = (cls.from_pretrained(tmp_path / name).eval() for name in ("plain", "diverged"))
     assert all(torch.isfinite(p).all() for p in diverged.parameters())
     assert torch.equal(outputs(diverged), outputs(plain))
+
+
+def test_a_block_that_rejects_its_tuning_is_tuned_once_more_at_a_lower_rate(tmp_path, caplog, monkeypatch):
+    from comera_convert.pipeline import reconstruction
+
+    _with_tokenizer(tmp_path, "bert")
+    # 1e30 diverges; the retry's share brought down so that the second try runs at the first test's 1e-2.
+    monkeypatch.setattr(reconstruction, "RETRY_LR_SHARE", 1e-32)
+    with caplog.at_level(logging.WARNING, logger="comera_convert"):
+        result = _converted(tmp_path, "retried", reconstruct_steps=60, reconstruct_lr=1e30)
+    fits = result.report.extra["reconstruction"]
+    assert any(fit["kept"] for fit in fits)
+    assert all(fit["lr"] == pytest.approx(1e-2) for fit in fits)
+    assert all(fit["error_after"] < fit["error_before"] for fit in fits if fit["kept"])
+    failed = [fit["block"] for fit in fits if not fit["kept"]]
+    warnings = [r.getMessage() for r in caplog.records if "reconstruction" in r.getMessage()]
+    assert len(warnings) == len(failed) and all("at 1e+30 and 0.01" in w for w in warnings)
 
 
 @pytest.mark.parametrize("options, message", [
@@ -152,3 +170,17 @@ def test_with_integer_storage_a_block_is_tuned_on_the_grid_it_is_written_on():
     in_float, _ = _block_tuned(None, inputs, targets)
     round_in_place(in_float, fmt)
     assert fit.error_after < held_out_distance(in_float, inputs[-1:], targets[-1:])
+
+
+def test_the_report_says_how_many_blocks_were_tuned_again_and_at_what_rate():
+    from comera_convert.cli.render import reconstruction_text
+
+    def fit(block, kept, lr):
+        return {"block": block, "error_before": 0.05, "error_after": 0.04 if kept else 0.05, "kept": kept,
+                "steps": 36, "lr": lr}
+
+    text = reconstruction_text([fit(0, True, 1e-3), fit(1, True, 3e-4), fit(2, False, 3e-4)])
+    assert text.endswith("(2 of 3 blocks tuned, 36 steps each at 0.001, 2 again at 0.0003)")
+    assert reconstruction_text([fit(0, True, 1e-3)]).endswith("(1 of 1 blocks tuned, 36 steps each at 0.001)")
+    older = [{k: v for k, v in fit(0, True, 1e-3).items() if k not in ("lr", "steps")}]  # a report before them
+    assert reconstruction_text(older).endswith("(1 of 1 blocks tuned)")

@@ -71,7 +71,8 @@ def _default_out(model: str, ratio, rank) -> str:
                    "closed-form fit (block-wise reconstruction) [default: where compensating, given 32 calibration "
                    "sequences, 300 or fewer for larger blocks: MiniLM 205 at --ratio 4, a bert-base 75; 0: off].")
 @click.option("--reconstruct-lr", type=float, default=None, metavar="LR",
-              help="The learning rate of block-wise reconstruction [default: 1e-3].")
+              help="The learning rate of block-wise reconstruction (a block that rejects its tuning is "
+                   "tuned once more at 0.3 of it) [default: 1e-3].")
 @click.option("--allocation", type=click.Choice(ALLOCATIONS), default=None,
               help="One shared rank (uniform); the block stack's ranks learned end to end on the calibration "
                    "text before converting (learned); per-kind rank scales searched on it (measured); or "
@@ -79,7 +80,8 @@ def _default_out(model: str, ratio, rank) -> str:
 @click.option("--ffn", type=click.Choice(FFN_METHODS), default=None,
               help="Each block's feed-forward pair as two low-rank layers, or with whole hidden neurons pruned "
                    "for the same parameters and its second layer refit on the calibration text (BERT-family "
-                   "encoders) [default: low-rank].")
+                   "encoders) [default: prune where calibrated with a --ratio and the uniform allocation, "
+                   "low-rank elsewhere].")
 @click.option("--learning-steps", type=int, default=None, metavar="N",
               help="Adam steps of --allocation learned [default: by the model's size: MiniLM 100, "
                    "a bert-base 40].")

@@ -74,7 +74,7 @@ def convert_modules(model: nn.Module, options: ConvertOptions, calibration: Cali
         if spec is None:
             skipped[candidate.name] = (f"TT at rank {allocation.shared_rank} would not be smaller"
                                        if allocation.shared_rank else f"kept dense by the {options.allocation} allocation")
-    if options.ffn == "prune" and not ffn_pairs(candidates, allocation.specs):
+    if options.ffn == "prune" and not options.chosen_by_default("ffn") and not ffn_pairs(candidates, allocation.specs):
         logger.warning("--ffn prune found no feed-forward pair to prune (a BERT-family block's intermediate.dense "
                        "-> output.dense, both compressed): the feed-forward layers are low-rank")
     swap_in(model, candidates, allocation.specs, options, calibration, progress, load=load, release=release)

@@ -32,7 +32,7 @@ COMPENSATE_ABOVE_CUT = 1.0  # strict: a model whose linears are too small to con
 COMPENSATE_FROM_RATIO = 3.0
 # The options whose defaults depend on others (the ratio, the table, the model's cut): chosen
 # again when those change (``replace``, ``for_model``).
-DEPENDENT_DEFAULTS = ("d", "compensate", "reconstruct_steps")
+DEPENDENT_DEFAULTS = ("d", "compensate", "reconstruct_steps", "ffn")
 # Reconstruction's Adam steps a block where it is on by default; more saturate (600 and 900 moved
 # cosine by 0.01 at most). BENCHMARKS.md#calibration-text-and-reconstruction-steps-session-39
 RECONSTRUCT_STEPS = 300
@@ -71,6 +71,17 @@ def default_modes(ratio: float | None, *, codebook: bool = False, ttm: bool = Fa
     if ratio < TWO_MODES_FROM_RATIO:
         return 3
     return 1 if ratio >= ONE_MODE_FROM_RATIO and not ttm else 2
+
+
+def default_ffn(ratio: float | None, *, allocation: str, d: int, calibrated: bool) -> str:
+    """What a block's feed-forward pair becomes by default: pruned by neuron where a --ratio's uniform
+    allocation gives it low-rank pairs (one mode) and calibration text refits it, which kept more of
+    dense recall@1 on both encoders measured at every ratio (MiniLM 2, 4 and 8, all-mpnet-base-v2 2,
+    4 and 8, float and int8); low-rank elsewhere: a fixed --rank (CoMERA's TT, for rank-adaptive
+    training), the other allocations, TT modes, and an uncalibrated conversion, which cannot refit.
+    BENCHMARKS.md#feed-forward-pairs-pruned-by-neuron-by-default-and-reconstruction-retried-at-a-lower-rate-session-58"""
+    prune = ratio is not None and allocation == "uniform" and d == 1 and calibrated
+    return "prune" if prune else "low-rank"
 
 
 def default_compensation(ratio: float | None, cut: float | None, *, codebook: bool) -> bool:
@@ -124,8 +135,9 @@ class ConvertOptions:
     # factors, biases and norms are tuned for this many Adam steps (8 sequences each, at
     # reconstruct_lr, decayed to zero) to reproduce the dense block's outputs from the inputs the
     # compressed blocks before it give; kept only where it lowers the distance on a held-out
-    # calibration batch. 0: off. None follows the cut, as compensation does: RECONSTRUCT_STEPS above
-    # COMPENSATE_ABOVE_CUT, off below and for a fixed --rank.
+    # calibration batch, else tuned once more at a lower rate (reconstruction.RETRY_LR_SHARE). 0: off.
+    # None follows the cut, as compensation does: RECONSTRUCT_STEPS above COMPENSATE_ABOVE_CUT, off
+    # below and for a fixed --rank.
     reconstruct_steps: int | None = None
     reconstruct_lr: float = 1e-3
     # How --ratio's budget is split: "uniform" (one shared maximum rank), "learned" (the block stack's
@@ -138,8 +150,9 @@ class ConvertOptions:
     # What a block's feed-forward pair (BERT-family intermediate.dense -> act -> output.dense) becomes
     # where the allocation compresses both of its layers: "low-rank" (two pairs of factors, as every
     # other linear) or "prune" (the same parameters spent on whole hidden neurons, down refit on the
-    # calibration text: conversion/pruning.py).
-    ffn: str = "low-rank"
+    # calibration text: conversion/pruning.py). None (default_ffn): prune where calibrated with a
+    # --ratio and the uniform allocation, low-rank elsewhere.
+    ffn: str | None = None
     # The learned allocation's per-layer rank scales (module name -> multiple of the shared rank), as
     # a conversion's report records them: given, they are used as they are instead of learned again.
     rank_scales: dict[str, float] | None = None
@@ -251,6 +264,8 @@ class ConvertOptions:
             self.reconstruct_steps = RECONSTRUCT_STEPS if on else 0
         if not isinstance(self.compensate, bool):
             raise ConfigError(expected("compensate as true or false", self.compensate))
+        if self.ffn is None:
+            self.ffn = default_ffn(ratio, allocation=self.allocation, d=self.d, calibrated=self.calibration is not None)
         if self.ffn not in FFN_METHODS:
             raise ConfigError(expected(f"ffn in {FFN_METHODS}", self.ffn))
         if self.dtype is not None:
@@ -328,6 +343,10 @@ class ConvertOptions:
         """These options with ``changes`` (and ``layers_cut``), the defaults that follow others
         chosen again for the new values (``dataclasses.replace`` would keep the old choices)."""
         return dataclasses.replace(self, **{**self.defaulted(), **changes})
+
+    def chosen_by_default(self, name: str) -> bool:
+        """Whether the option ``name`` (one of DEPENDENT_DEFAULTS) was left to its default."""
+        return name in self._defaulted
 
     def defaulted(self) -> dict:
         """The options of DEPENDENT_DEFAULTS that the defaults filled in, each None: passed to the

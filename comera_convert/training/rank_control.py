@@ -30,7 +30,7 @@ from ..conversion import count_params
 from ..conversion.targets import last_block_prefix
 from ..errors import ConfigError
 from ..hf.config import integer_format_of
-from ..layers import TTModule
+from ..layers import PrunedLinear, TTModule
 from .budget import (FALLBACK_KEPT_SHARES, MIN_KEPT_SHARE, ModuleBonds, bond_floor, choose_closures,
                      scheduled_size)
 from .opening import dense_block_linears, open_dense_layers
@@ -122,6 +122,11 @@ class RankController:
         self.state = RankState()
         # Dense linears of the blocks made gated pairs because the target lay beyond the gates (opening.py).
         self.opened: list[str] = []
+        pruned = sum(isinstance(m, PrunedLinear) for m in model.modules())
+        if options.target_ratio is not None and pruned:
+            logger.warning("%d pruned feed-forward layers (--ffn prune, the default where calibrated) keep their "
+                           "neurons: --target-ratio shrinks only the other layers (convert with --ffn low-rank for "
+                           "rank gates on the feed-forward pairs too)", pruned)
         if options.target_ratio is not None and not self.reachable(options.target_ratio):
             self.open_to_gates(options.target_ratio)
         # With --minutes the trainer hands its WallClock here: the stages and the budget then follow the
