@@ -115,6 +115,7 @@ def reconstruct_block(block: nn.Module, index: int, inputs, targets, steps: int,
 
 
 def _failure(fit: BlockFit) -> str:
+    """Why a try was rejected, for the warning: it diverged, or the distance it reached."""
     if not math.isfinite(fit.tried):
         return "diverged (a step was not finite)"
     return f"did not lower the held-out distance to the dense outputs ({fit.error_before:.4f} -> {fit.tried:.4f})"
