@@ -77,8 +77,9 @@ def default_ffn(ratio: float | None, *, allocation: str, d: int, calibrated: boo
     """What a block's feed-forward pair becomes by default: pruned by neuron where a --ratio's uniform
     allocation gives it low-rank pairs (one mode) and calibration text refits it, which kept more of
     dense recall@1 in the mean of four domains, and higher cosine on each, on both encoders at every
-    ratio measured (MiniLM 2 to 8, all-mpnet-base-v2 2 to 8, float and integer); low-rank elsewhere: a fixed --rank (CoMERA's TT, for rank-adaptive
-    training), the other allocations, TT modes, and an uncalibrated conversion, which cannot refit.
+    ratio measured (MiniLM 2 to 8, all-mpnet-base-v2 2 to 8, float and integer); low-rank elsewhere:
+    a fixed --rank (CoMERA's TT, for rank-adaptive training), the other allocations, TT modes, and an
+    uncalibrated conversion, which cannot refit.
     BENCHMARKS.md#feed-forward-pairs-pruned-by-neuron-by-default-and-reconstruction-retried-at-a-lower-rate-session-58"""
     prune = ratio is not None and allocation == "uniform" and d == 1 and calibrated
     return "prune" if prune else "low-rank"

@@ -104,31 +104,11 @@ def reconstruct_block(block: nn.Module, index: int, inputs, targets, steps: int,
     the compressed stream) onto ``targets`` (the dense block's hidden states), the last batch held
     out; keep the result only where it lowers the held-out error, else tune once more at
     RETRY_LR_SHARE of the rate; with ``grid``, on its factors rounded to it (module docstring)."""
-    fit = _tuned_on(block, grid, index, inputs, targets, steps, lr, seed)
-    if not fit.kept:
-        first = fit
-        fit = _tuned_on(block, grid, index, inputs, targets, steps, lr * RETRY_LR_SHARE, seed)
-        if not fit.kept:
-            logger.warning("block %d: reconstruction %s at %g and %g; kept the closed-form fit", index,
-                           _failure(first), lr, fit.lr)
-    return fit
-
-
-def _failure(fit: BlockFit) -> str:
-    """Why a try was rejected, for the warning: it diverged, or the distance it reached."""
-    if not math.isfinite(fit.tried):
-        return "diverged (a step was not finite)"
-    return f"did not lower the held-out distance to the dense outputs ({fit.error_before:.4f} -> {fit.tried:.4f})"
-
-
-def _tuned_on(block: nn.Module, grid: IntegerFormat | None, index: int, inputs, targets, steps: int, lr: float,
-              seed: int) -> BlockFit:
-    """``_tuned``, on the block's float layers or (``grid``) on its layers rounded to the grid."""
     if grid is None:
-        return _tuned(block, index, inputs, targets, steps, lr, seed)
+        return _tuned_or_retried(block, index, inputs, targets, steps, lr, seed)
     train_on_the_grid(block, grid)
     try:
-        return _tuned(block, index, inputs, targets, steps, lr, seed)
+        return _tuned_or_retried(block, index, inputs, targets, steps, lr, seed)
     finally:
         # fake_quantize's grid: each group's scale by its largest magnitude. Factors the conversion
         # rounded already (by the clip search) sit on it, so an untuned block keeps them.
@@ -139,10 +119,32 @@ def _tuned_on(block: nn.Module, grid: IntegerFormat | None, index: int, inputs, 
         forget_caches(block)
 
 
-def _tuned(block: nn.Module, index: int, inputs, targets, steps: int, lr: float, seed: int) -> BlockFit:
-    """The steps themselves, on whatever the block's layers run (``reconstruct_block``)."""
-    train_inputs, train_targets = inputs[:-1], targets[:-1]
+def _tuned_or_retried(block: nn.Module, index: int, inputs, targets, steps: int, lr: float, seed: int) -> BlockFit:
+    """``_tuned`` at ``lr``, and where that is rejected once more at RETRY_LR_SHARE of it (from the same
+    parameters: a rejected try puts them back); a warning where both are rejected."""
     before = held_out_distance(block, inputs[-1:], targets[-1:])
+    fit = _tuned(block, index, inputs, targets, steps, lr, seed, before)
+    if fit.kept:
+        return fit
+    retried = _tuned(block, index, inputs, targets, steps, lr * RETRY_LR_SHARE, seed, before)
+    if not retried.kept:
+        logger.warning("block %d: reconstruction %s at %g and %g; kept the closed-form fit", index,
+                       _failure(fit), lr, retried.lr)
+    return retried
+
+
+def _failure(fit: BlockFit) -> str:
+    """Why a try was rejected, for the warning: it diverged, or the distance it reached."""
+    if not math.isfinite(fit.tried):
+        return "diverged (a step was not finite)"
+    return f"did not lower the held-out distance to the dense outputs ({fit.error_before:.4f} -> {fit.tried:.4f})"
+
+
+def _tuned(block: nn.Module, index: int, inputs, targets, steps: int, lr: float, seed: int,
+           before: float) -> BlockFit:
+    """The steps themselves, on whatever the block's layers run (``reconstruct_block``), from the
+    held-out distance ``before`` they start at."""
+    train_inputs, train_targets = inputs[:-1], targets[:-1]
     params = tunable(block)
     saved = [p.detach().clone() for p in params]
     pieces = [(batch, target, start, min(start + STEP_SEQUENCES, target.shape[0]))
