@@ -305,6 +305,30 @@ def test_neurons_that_never_fire_are_pruned_without_a_failing_factorization():
     assert rel_err(_run(new_up, new_down, x), _run(up, down, x)) < 1e-2
 
 
+def _greedy_by_definition(covariance, target, kept):
+    """One neuron at a time, the survivors' least squares solved afresh at each removal: the
+    selection surviving_neurons makes by updating C^-1 and the fit in place."""
+    alive = list(range(len(covariance)))
+    while len(alive) > kept:
+        inverse = torch.linalg.inv(covariance[alive][:, alive])
+        fit = inverse @ target[alive]
+        saliency = fit.pow(2).sum(1) / inverse.diagonal()
+        del alive[int(saliency.argmin())]
+    return torch.tensor(alive)
+
+
+@pytest.mark.parametrize("kept", [1, 13, 39])
+def test_the_in_place_updates_select_the_neurons_the_greedy_definition_selects(kept):
+    from comera_convert.conversion import pruning
+
+    h = torch.randn(500, 40, dtype=torch.float64) * torch.rand(40, dtype=torch.float64)
+    covariance, target = h.T @ h, torch.randn(40, 6, dtype=torch.float64)
+    assert 40 - kept <= pruning.REMOVAL_GROUPS  # a group a neuron: exactly the definition's order
+    inverse = torch.linalg.inv(covariance)
+    keep = pruning.surviving_neurons(inverse, inverse @ target, kept)
+    assert torch.equal(keep, _greedy_by_definition(covariance, target, kept))
+
+
 def test_a_covariance_rounding_left_indefinite_is_damped_before_it_is_inverted():
     from comera_convert.conversion import pruning
 

@@ -68,15 +68,40 @@ def test_a_block_that_rejects_its_tuning_is_tuned_once_more_at_a_lower_rate(tmp_
     _with_tokenizer(tmp_path, "bert")
     # 1e30 diverges; the retry's share brought down so that the second try runs at the first test's 1e-2.
     monkeypatch.setattr(reconstruction, "RETRY_LR_SHARE", 1e-32)
+    tried, tune = [], reconstruction._tuned
+
+    def recorded(block, index, *args):
+        tried.append((index, args[-3]))  # (block, rate)
+        return tune(block, index, *args)
+
+    monkeypatch.setattr(reconstruction, "_tuned", recorded)
     with caplog.at_level(logging.WARNING, logger="comera_convert"):
         result = _converted(tmp_path, "retried", reconstruct_steps=60, reconstruct_lr=1e30)
     fits = result.report.extra["reconstruction"]
-    assert any(fit["kept"] for fit in fits)
-    assert all(fit["lr"] == pytest.approx(1e-2) for fit in fits)
+    assert fits[0]["kept"] and any(fit["kept"] for fit in fits)
+    assert all(fit["lr"] == pytest.approx(1e-2) for fit in fits if fit["kept"])
     assert all(fit["error_after"] < fit["error_before"] for fit in fits if fit["kept"])
+    # The first block tried 1e30, then 1e-2; the blocks after it start at the rate it kept.
+    assert tried[:2] == [(0, 1e30), (0, pytest.approx(1e-2))]
+    assert [rate for block, rate in tried[2:] if block == 1][0] == pytest.approx(1e-2)
     failed = [fit["block"] for fit in fits if not fit["kept"]]
     warnings = [r.getMessage() for r in caplog.records if "reconstruction" in r.getMessage()]
-    assert len(warnings) == len(failed) and all("at 1e+30 and 0.01" in w for w in warnings)
+    assert len(warnings) == len(failed) and all("1e+30" in w and "0.01" in w for w in warnings)
+
+
+def test_a_block_tries_first_the_rate_the_last_block_that_kept_its_tuning_kept():
+    from comera_convert.pipeline.reconstruction import RETRY_LR_SHARE, BlockFit, rates_to_try
+
+    lower = 1e-3 * RETRY_LR_SHARE
+
+    def fit(block, kept, lr):
+        return BlockFit(block, 0.05, 0.04 if kept else 0.05, kept, 36, lr)
+
+    assert rates_to_try(1e-3, []) == (1e-3, lower)
+    assert rates_to_try(1e-3, [fit(0, True, 1e-3)]) == (1e-3, lower)
+    assert rates_to_try(1e-3, [fit(0, True, lower)]) == (lower, 1e-3)
+    assert rates_to_try(1e-3, [fit(0, True, lower), fit(1, False, 1e-3)]) == (lower, 1e-3)  # rejected: no say
+    assert rates_to_try(1e-3, [fit(0, True, lower), fit(1, True, 1e-3)]) == (1e-3, lower)
 
 
 @pytest.mark.parametrize("options, message", [
@@ -172,7 +197,7 @@ def test_with_integer_storage_a_block_is_tuned_on_the_grid_it_is_written_on():
     assert fit.error_after < held_out_distance(in_float, inputs[-1:], targets[-1:])
 
 
-def test_the_report_says_how_many_blocks_were_tuned_again_and_at_what_rate():
+def test_the_report_says_how_many_blocks_were_tuned_at_the_lower_rate():
     from comera_convert.cli.render import reconstruction_text
 
     def fit(block, kept, lr):
@@ -180,7 +205,7 @@ def test_the_report_says_how_many_blocks_were_tuned_again_and_at_what_rate():
                 "steps": 36, "lr": lr}
 
     text = reconstruction_text([fit(0, True, 1e-3), fit(1, True, 3e-4), fit(2, False, 3e-4)])
-    assert text.endswith("(2 of 3 blocks tuned, 36 steps each at 0.001, 2 again at 0.0003)")
+    assert text.endswith("(2 of 3 blocks tuned, 36 steps each at 0.001, 2 at 0.0003)")
     assert reconstruction_text([fit(0, True, 1e-3)]).endswith("(1 of 1 blocks tuned, 36 steps each at 0.001)")
     older = [{k: v for k, v in fit(0, True, 1e-3).items() if k not in ("lr", "steps")}]  # a report before them
     assert reconstruction_text(older).endswith("(1 of 1 blocks tuned)")

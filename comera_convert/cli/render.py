@@ -173,9 +173,9 @@ def reconstruction_text(fits: list[dict]) -> str:
     errors = ", ".join(f"{fit['error_before']:.3f}->{fit['error_after']:.3f}" for fit in fits)
     steps = f", {fits[0]['steps']} steps each" if "steps" in fits[0] else ""  # older reports lack it
     rates = [fit["lr"] for fit in fits if "lr" in fit]
-    if rates:  # a block that rejected its tuning was tuned again at a lower rate
-        retried = [rate for rate in rates if rate < max(rates)]
-        steps += f" at {max(rates):g}" + (f", {len(retried)} again at {min(rates):g}" if retried else "")
+    if rates:  # where the rate was rejected, blocks were tuned at a lower one
+        lower = [rate for rate in rates if rate < max(rates)]
+        steps += f" at {max(rates):g}" + (f", {len(lower)} at {min(rates):g}" if lower else "")
     return (f"held-out cosine distance to the dense outputs per block {errors} "
             f"({kept} of {len(fits)} blocks tuned{steps})")
 

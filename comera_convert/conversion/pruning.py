@@ -157,25 +157,28 @@ def surviving_neurons(inverse: torch.Tensor, fit: torch.Tensor, kept: int) -> to
     whose removal, with the survivors refit, raises the squared error least: ||fit_j||^2 / [C^-1]_jj
     for the least-squares ``fit`` (hidden x out) under the activations' covariance C, given as its
     ``inverse`` (Optimal Brain Surgeon's saliency, by neuron, as structured OBS pruners such as ZipLM
-    rank them). The fit and C^-1 are updated after each group; REMOVAL_GROUPS groups, so that a
-    3072-wide pair costs seconds.
+    rank them). The fit and C^-1 are updated after each group, in place, and cut to the survivors:
+    REMOVAL_GROUPS groups, so that a 3072-wide pair costs about a second.
     Energy alone (E[h_j^2] ||down_j||^2) would keep two neurons that fire alike where one suffices."""
     inverse, fit = inverse.clone(), fit.clone()
-    alive = torch.ones(len(fit), dtype=torch.bool)
+    survivors = torch.arange(len(fit))  # their indices in the layer, in the order of inverse's rows
     remaining = len(fit) - kept
     for group in range(REMOVAL_GROUPS, 0, -1):
         size = -(-remaining // group)  # what is left, spread over the groups left
         if size <= 0:
             break
         saliency = fit.pow(2).sum(1) / inverse.diagonal()
-        saliency[~alive] = math.inf
         removed = torch.topk(saliency, size, largest=False).indices
-        block = torch.linalg.inv(inverse[removed][:, removed])
-        fit -= inverse[:, removed] @ (block @ fit[removed])
-        inverse -= inverse[:, removed] @ block @ inverse[removed]
-        alive[removed] = False
+        columns = inverse.index_select(1, removed)
+        block = torch.linalg.inv(columns[removed])
+        fit.addmm_(columns, block @ fit.index_select(0, removed), alpha=-1)
+        inverse.addmm_(columns, block @ columns.T, alpha=-1)
+        stay = torch.ones(len(survivors), dtype=torch.bool)
+        stay[removed] = False
+        stay = stay.nonzero().squeeze(1)
+        inverse, fit, survivors = inverse[stay[:, None], stay], fit[stay], survivors[stay]
         remaining -= size
-    return alive.nonzero().squeeze(1)
+    return survivors.sort().values
 
 
 def _inverse(covariance: torch.Tensor) -> torch.Tensor:

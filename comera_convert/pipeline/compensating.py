@@ -174,7 +174,7 @@ class CompensatingCalibration(SequentialCalibration):
             steps, lr = self.reconstruct
             targets = [hidden_of(output) for output in self.last_outputs]
             self.fits.append(reconstruct_block(block, self.open, self.compressed_inputs, targets, steps, lr,
-                                               grid=self.grid))
+                                               grid=self.grid, earlier=self.fits))
         for inputs in self.compressed_inputs:
             inputs.run(block)
         for name in self.converted:

@@ -41,6 +41,7 @@ STEP_SEQUENCES = 8
 # A block whose tuning does not lower its held-out distance is tuned once more at this share of the
 # rate: most of all-mpnet-base-v2's blocks reject 1e-3 at --ratio 2, while a lower rate everywhere
 # keeps less on MiniLM. BENCHMARKS.md#feed-forward-pairs-pruned-by-neuron-by-default-and-reconstruction-retried-at-a-lower-rate-session-58
+# The blocks after one that kept the lower rate try it first (``rates_to_try``).
 RETRY_LR_SHARE = 0.3
 
 
@@ -98,17 +99,29 @@ def _rows(batch, start: int, stop: int):
     return tuple(cut(a) for a in batch.args), {k: cut(v) for k, v in batch.kwargs.items()}
 
 
+def rates_to_try(lr: float, earlier: list[BlockFit]) -> tuple[float, float]:
+    """The two rates a block is tuned at, in order: first the one the last block that kept its tuning
+    kept (``lr`` at the start), then the other of ``lr`` and RETRY_LR_SHARE of it. The blocks of one
+    model take alike to a rate: at all-mpnet-base-v2 --ratio 2 eleven of twelve rejected 1e-3 and the
+    retry at the lower rate cost a fifth of the conversion."""
+    lower = lr * RETRY_LR_SHARE
+    last = next((fit.lr for fit in reversed(earlier) if fit.kept), lr)
+    return (lower, lr) if math.isclose(last, lower) else (lr, lower)
+
+
 def reconstruct_block(block: nn.Module, index: int, inputs, targets, steps: int, lr: float,
-                      seed: int = 0, grid: IntegerFormat | None = None) -> BlockFit:
+                      seed: int = 0, grid: IntegerFormat | None = None, earlier: list[BlockFit] = ()) -> BlockFit:
     """Tune ``block`` (in place) for ``steps`` Adam steps so that it maps ``inputs`` (BlockInputs of
     the compressed stream) onto ``targets`` (the dense block's hidden states), the last batch held
-    out; keep the result only where it lowers the held-out error, else tune once more at
-    RETRY_LR_SHARE of the rate; with ``grid``, on its factors rounded to it (module docstring)."""
+    out; keep the result only where it lowers the held-out error, else tune once more at the other
+    rate (``rates_to_try``, given the ``earlier`` blocks' fits); with ``grid``, on its factors rounded
+    to it (module docstring)."""
+    rates = rates_to_try(lr, list(earlier))
     if grid is None:
-        return _tuned_or_retried(block, index, inputs, targets, steps, lr, seed)
+        return _tuned_or_retried(block, index, inputs, targets, steps, rates, seed)
     train_on_the_grid(block, grid)
     try:
-        return _tuned_or_retried(block, index, inputs, targets, steps, lr, seed)
+        return _tuned_or_retried(block, index, inputs, targets, steps, rates, seed)
     finally:
         # fake_quantize's grid: each group's scale by its largest magnitude. Factors the conversion
         # rounded already (by the clip search) sit on it, so an untuned block keeps them.
@@ -119,17 +132,18 @@ def reconstruct_block(block: nn.Module, index: int, inputs, targets, steps: int,
         forget_caches(block)
 
 
-def _tuned_or_retried(block: nn.Module, index: int, inputs, targets, steps: int, lr: float, seed: int) -> BlockFit:
-    """``_tuned`` at ``lr``, and where that is rejected once more at RETRY_LR_SHARE of it (from the same
-    parameters: a rejected try puts them back); a warning where both are rejected."""
+def _tuned_or_retried(block: nn.Module, index: int, inputs, targets, steps: int, rates: tuple[float, float],
+                      seed: int) -> BlockFit:
+    """``_tuned`` at the first of ``rates``, and where that is rejected once more at the second (from
+    the same parameters: a rejected try puts them back); a warning where both are rejected."""
     before = held_out_distance(block, inputs[-1:], targets[-1:])
-    fit = _tuned(block, index, inputs, targets, steps, lr, seed, before)
+    fit = _tuned(block, index, inputs, targets, steps, rates[0], seed, before)
     if fit.kept:
         return fit
-    retried = _tuned(block, index, inputs, targets, steps, lr * RETRY_LR_SHARE, seed, before)
+    retried = _tuned(block, index, inputs, targets, steps, rates[1], seed, before)
     if not retried.kept:
         logger.warning("block %d: reconstruction %s at %g and %g; kept the closed-form fit", index,
-                       _failure(fit), lr, retried.lr)
+                       _failure(fit), fit.lr, retried.lr)
     return retried
 
 
