@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -99,7 +100,7 @@ def _rows(batch, start: int, stop: int):
     return tuple(cut(a) for a in batch.args), {k: cut(v) for k, v in batch.kwargs.items()}
 
 
-def rates_to_try(lr: float, earlier: list[BlockFit]) -> tuple[float, float]:
+def rates_to_try(lr: float, earlier: Sequence[BlockFit]) -> tuple[float, float]:
     """The two rates a block is tuned at, in order: first the one the last block that kept its tuning
     kept (``lr`` at the start), then the other of ``lr`` and RETRY_LR_SHARE of it. The blocks of one
     model take alike to a rate: at all-mpnet-base-v2 --ratio 2 eleven of twelve rejected 1e-3 and the
@@ -110,13 +111,14 @@ def rates_to_try(lr: float, earlier: list[BlockFit]) -> tuple[float, float]:
 
 
 def reconstruct_block(block: nn.Module, index: int, inputs, targets, steps: int, lr: float,
-                      seed: int = 0, grid: IntegerFormat | None = None, earlier: list[BlockFit] = ()) -> BlockFit:
+                      seed: int = 0, grid: IntegerFormat | None = None,
+                      earlier: Sequence[BlockFit] = ()) -> BlockFit:
     """Tune ``block`` (in place) for ``steps`` Adam steps so that it maps ``inputs`` (BlockInputs of
     the compressed stream) onto ``targets`` (the dense block's hidden states), the last batch held
     out; keep the result only where it lowers the held-out error, else tune once more at the other
     rate (``rates_to_try``, given the ``earlier`` blocks' fits); with ``grid``, on its factors rounded
     to it (module docstring)."""
-    rates = rates_to_try(lr, list(earlier))
+    rates = rates_to_try(lr, earlier)
     if grid is None:
         return _tuned_or_retried(block, index, inputs, targets, steps, rates, seed)
     train_on_the_grid(block, grid)
