@@ -89,19 +89,22 @@ def test_a_block_that_rejects_its_tuning_is_tuned_once_more_at_a_lower_rate(tmp_
     assert len(warnings) == len(failed) and all("1e+30" in w and "0.01" in w for w in warnings)
 
 
+def _fit(block, kept, lr):
+    """A block's reconstruction record: kept or not, at rate ``lr``."""
+    from comera_convert.pipeline.reconstruction import BlockFit
+
+    return BlockFit(block, 0.05, 0.04 if kept else 0.05, kept, 36, lr)
+
+
 def test_a_block_tries_first_the_rate_the_last_block_that_kept_its_tuning_kept():
-    from comera_convert.pipeline.reconstruction import RETRY_LR_SHARE, BlockFit, rates_to_try
+    from comera_convert.pipeline.reconstruction import RETRY_LR_SHARE, rates_to_try
 
     lower = 1e-3 * RETRY_LR_SHARE
-
-    def fit(block, kept, lr):
-        return BlockFit(block, 0.05, 0.04 if kept else 0.05, kept, 36, lr)
-
     assert rates_to_try(1e-3, []) == (1e-3, lower)
-    assert rates_to_try(1e-3, [fit(0, True, 1e-3)]) == (1e-3, lower)
-    assert rates_to_try(1e-3, [fit(0, True, lower)]) == (lower, 1e-3)
-    assert rates_to_try(1e-3, [fit(0, True, lower), fit(1, False, 1e-3)]) == (lower, 1e-3)  # rejected: no say
-    assert rates_to_try(1e-3, [fit(0, True, lower), fit(1, True, 1e-3)]) == (1e-3, lower)
+    assert rates_to_try(1e-3, [_fit(0, True, 1e-3)]) == (1e-3, lower)
+    assert rates_to_try(1e-3, [_fit(0, True, lower)]) == (lower, 1e-3)
+    assert rates_to_try(1e-3, [_fit(0, True, lower), _fit(1, False, 1e-3)]) == (lower, 1e-3)  # rejected: no say
+    assert rates_to_try(1e-3, [_fit(0, True, lower), _fit(1, True, 1e-3)]) == (1e-3, lower)
 
 
 @pytest.mark.parametrize("options, message", [
@@ -201,8 +204,7 @@ def test_the_report_says_how_many_blocks_were_tuned_at_the_lower_rate():
     from comera_convert.cli.render import reconstruction_text
 
     def fit(block, kept, lr):
-        return {"block": block, "error_before": 0.05, "error_after": 0.04 if kept else 0.05, "kept": kept,
-                "steps": 36, "lr": lr}
+        return _fit(block, kept, lr).to_dict()
 
     text = reconstruction_text([fit(0, True, 1e-3), fit(1, True, 3e-4), fit(2, False, 3e-4)])
     assert text.endswith("(2 of 3 blocks tuned, 36 steps each at 0.001, 2 at 0.0003)")

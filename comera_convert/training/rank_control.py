@@ -122,8 +122,10 @@ class RankController:
         self.state = RankState()
         # Dense linears of the blocks made gated pairs because the target lay beyond the gates (opening.py).
         self.opened: list[str] = []
-        pruned = sum(isinstance(m, PrunedLinear) for m in model.modules())
-        if options.target_ratio is not None and pruned:
+        pruned = 0  # pruned pairs have no gates: counted where a target would shrink the layers
+        if options.target_ratio is not None:
+            pruned = sum(isinstance(m, PrunedLinear) for m in model.modules())
+        if pruned:
             logger.warning("%d pruned feed-forward layers (--ffn prune, the default where calibrated) keep their "
                            "neurons: --target-ratio shrinks only the other layers (convert with --ffn low-rank for "
                            "rank gates on the feed-forward pairs too)", pruned)
