@@ -425,16 +425,19 @@ def shortened(block: torch.Tensor, tokens: int, wrapped: bool) -> torch.Tensor:
     return torch.cat([block[:1 + tokens], block[-1:]]) if wrapped else block[:tokens]
 
 
-def pack(source: str, tokenizer, seq_len: int, max_train_blocks: int, max_held_out_blocks: int) -> Blocks:
+def pack(source: str, tokenizer, seq_len: int, max_train_blocks: int, max_held_out_blocks: int,
+         start_len: int | None = None) -> Blocks:
     """Tokenize documents and pack them into blocks of ``seq_len`` token ids.
 
     Documents are joined with the separator (or end-of-text) token; encoder tokenizers get
     [CLS] ... [SEP] around each block. Stops reading once both sets are full. With
     ``max_held_out_blocks=0`` only training blocks are made (held-out documents still unread).
-    Also keeps the start of every training document read (``Blocks.starts``).
+    Also keeps the start of every training document read that fills a block (``Blocks.starts``),
+    up to ``start_len`` ids (None: ``seq_len``), as long as the document runs.
     """
     framing = Framing.of(tokenizer, seq_len)
     joiner, body = framing.joiner, framing.body
+    start_body = body if start_len is None else Framing.of(tokenizer, start_len).body
     streams = {"train": [], "held_out": []}
     blocks = {"train": [], "held_out": []}
     limits = {"train": max_train_blocks, "held_out": max_held_out_blocks}
@@ -449,7 +452,7 @@ def pack(source: str, tokenizer, seq_len: int, max_train_blocks: int, max_held_o
             continue
         ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
         if split == "train" and len(ids) >= body:
-            starts.append((len(blocks["train"]), framing.block(ids[:body])))  # (where its text is packed, block)
+            starts.append((len(blocks["train"]), framing.block(ids[:start_body])))  # (where its text is packed, block)
         stream = streams[split]
         stream.extend(ids + ([joiner] if joiner is not None else []))
         while len(stream) >= body and len(blocks[split]) < limits[split]:

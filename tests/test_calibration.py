@@ -9,7 +9,7 @@ import torch
 
 import comera_convert
 from comera_convert.conversion import ConvertOptions, convert_modules, count_params
-from comera_convert.conversion.calibration import Calibration, collect, weighted_decomposer
+from comera_convert.conversion.calibration import Calibration, collect, max_positions, weighted_decomposer
 from comera_convert.conversion.experimental.sensitivity import error_curve
 from comera_convert.conversion.targets import find_candidates
 from comera_convert.errors import ConfigError, ShapeError
@@ -402,3 +402,16 @@ def test_compensation_follows_the_cut_unless_told_and_is_true_or_false():
     assert ConvertOptions(ratio=1.4, compensate=True).compensate is True
     with pytest.raises(ConfigError, match=r"expected compensate as true or false \(got 'yes'\)"):
         ConvertOptions(ratio=4, compensate="yes")
+
+
+@pytest.mark.parametrize("case_id", ["bert", "roberta-mlm", "distilbert-mlm", "gpt2"])
+@pytest.mark.parametrize("converted", [False, True])
+def test_max_positions_is_the_longest_input_the_model_runs(case_id, converted):
+    model = build(case_id)
+    if converted:
+        comera_convert.convert(model, rank=4, word_embedding="tt")
+    longest = max_positions(model)
+    assert longest == 64  # RoBERTa's 66 rows number positions after its padding row
+    model(input_ids=torch.full((1, longest), 5))
+    with pytest.raises((IndexError, RuntimeError, ValueError)):
+        model(input_ids=torch.full((1, longest + 1), 5))

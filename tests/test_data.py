@@ -142,6 +142,22 @@ def test_packing_keeps_each_training_documents_start(tmp_path, tokenizer):
         assert start.tolist() == [tokenizer.cls_token_id] + body + [tokenizer.sep_token_id]
 
 
+def test_document_starts_run_past_the_block_up_to_start_len(tmp_path, tokenizer):
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    texts = {"0-long": "a long document begins here. " + "some words of its body. " * 30,
+             "1-mid": "a middle document. " + "a few words. " * 5,
+             "2-short": "too short to fill a block"}
+    for name, text in texts.items():
+        (folder / f"{name}.txt").write_text(text)
+    blocks = pack(str(folder), tokenizer, seq_len=16, max_train_blocks=1000, max_held_out_blocks=0, start_len=40)
+    assert all(len(b) == 16 for b in blocks.train)  # packed blocks keep seq_len
+    ids = {name: tokenizer(text, add_special_tokens=False)["input_ids"] for name, text in texts.items()}
+    assert 14 <= len(ids["1-mid"]) < 38 and len(ids["2-short"]) < 14  # the texts are what the test needs
+    framed = [[tokenizer.cls_token_id] + ids[name][:38] + [tokenizer.sep_token_id] for name in ("0-long", "1-mid")]
+    assert [b.tolist() for b in blocks.starts] == framed  # as long as start_len, or as the document runs
+
+
 def test_too_little_text(tmp_path, tokenizer):
     (tmp_path / "tiny.txt").write_text("hi")
     with pytest.raises(ConfigError, match="too little text for one training block of 64 tokens"):

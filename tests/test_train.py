@@ -593,9 +593,30 @@ def test_a_start_length_outside_one_to_seq_len_is_refused(bad):
         TrainOptions(seq_len=32, start_min_tokens=bad)
 
 
-def test_starts_cut_short_are_refused_with_compiled_fixed_shapes():
-    with pytest.raises(ConfigError, match="--start-min-tokens with --compile: .* need one shape"):
-        TrainOptions(start_min_tokens=8, compile=True)
+@pytest.mark.parametrize("bad", [31, 40.0, True])
+def test_a_longest_start_under_seq_len_is_refused(bad):
+    with pytest.raises(ConfigError, match=re.escape(f"expected start_max_tokens as an integer of at least seq_len "
+                                                    f"(32) (got {bad!r})")):
+        TrainOptions(seq_len=32, start_max_tokens=bad)
+
+
+@pytest.mark.parametrize("flag,lengths", [("--seq-len", {"seq_len": 80}),
+                                          ("--start-max-tokens", {"seq_len": 32, "start_max_tokens": 80})])
+def test_blocks_longer_than_the_models_positions_are_refused_before_training(tmp_path, tokenizer, corpus, flag,
+                                                                           lengths):
+    path = compressed(tmp_path, tokenizer)  # 64 positions
+    options = TrainOptions(objective="mlm", data=str(corpus), **{**FAST, **lengths})
+    with pytest.raises(ConfigError, match=f"^{flag} 80 is longer than the 64 positions the model takes: "
+                                          "expected at most 64$"):
+        train(str(path), options, tmp_path / "out")
+
+
+@pytest.mark.parametrize("flag,given", [("--start-min-tokens", {"start_min_tokens": 8}),
+                                        ("--start-max-tokens", {"start_max_tokens": 256})])
+def test_starts_of_many_lengths_are_refused_with_compiled_fixed_shapes(flag, given):
+    with pytest.raises(ConfigError, match=f"{flag} with --compile: .* need one shape"):
+        TrainOptions(compile=True, **given)
+    TrainOptions(compile=True, start_max_tokens=128)  # starts as long as the blocks: one shape
 
 
 @pytest.mark.parametrize("wrapped", [True, False])
@@ -647,12 +668,13 @@ def test_a_batch_of_cut_starts_is_padded_and_masked_so_that_each_text_is_seen_as
     assert (labels[1, 7:] == -100).all()  # padding is never a masked-LM target
 
 
-def test_cut_starts_are_batched_by_length(tmp_path):
+def test_cut_or_long_starts_are_batched_by_length(tmp_path):
     from comera_convert.training.run import training_arguments
 
-    grouped = TrainOptions(start_min_tokens=8).for_objective("distill", encoder=True)
+    cut = TrainOptions(start_min_tokens=8).for_objective("distill", encoder=True)
+    long = TrainOptions(start_max_tokens=256).for_objective("distill", encoder=True)
     whole = TrainOptions().for_objective("distill", encoder=True)
-    for options, strategy in ((grouped, "group_by_length"), (whole, "random")):
+    for options, strategy in ((cut, "group_by_length"), (long, "group_by_length"), (whole, "random")):
         args = training_arguments(options, tmp_path)
         assert getattr(args, "train_sampling_strategy", None) == strategy or \
             getattr(args, "group_by_length", None) == (strategy == "group_by_length")
@@ -1249,9 +1271,9 @@ def test_target_ratios_that_cannot_be_headed_for_are_refused(tmp_path, tokenizer
         train(str(path), options, tmp_path / "out")
 
 
-@pytest.mark.parametrize("start_min_tokens", [None, 4])  # whole document starts; starts cut short
-def test_auto_distills_an_encoder_without_an_lm_head_from_its_recorded_source(tmp_path, tokenizer, corpus,
-                                                                              start_min_tokens):
+# Whole document starts; starts cut short; starts past the blocks, to the model's 64 positions.
+@pytest.mark.parametrize("starts", [{}, {"start_min_tokens": 4}, {"start_max_tokens": 64}])
+def test_auto_distills_an_encoder_without_an_lm_head_from_its_recorded_source(tmp_path, tokenizer, corpus, starts):
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(0)
@@ -1262,8 +1284,7 @@ def test_auto_distills_an_encoder_without_an_lm_head_from_its_recorded_source(tm
     comera_convert.convert(model, ratio=2, source=str(tmp_path / "dense"), word_embedding="tt")
     model.save_pretrained(tmp_path / "encoder")
     tokenizer.save_pretrained(tmp_path / "encoder")
-    options = TrainOptions(data=str(corpus), steps=12, seq_len=32, batch_size=4, max_eval_blocks=8, save_steps=12,
-                           start_min_tokens=start_min_tokens)
+    options = TrainOptions(data=str(corpus), steps=12, seq_len=32, batch_size=4, max_eval_blocks=8, save_steps=12, **starts)
     result = train(str(tmp_path / "encoder"), options, tmp_path / "out")
     assert result.objective == "distill"
     assert result.objective_note.startswith(f"objective auto: distill from {tmp_path / 'dense'} (BertModel has no "
@@ -1272,7 +1293,8 @@ def test_auto_distills_an_encoder_without_an_lm_head_from_its_recorded_source(tm
     assert result.held_out_after < result.held_out_before
     saved = json.loads((tmp_path / "out" / "comera_report.json").read_text())["extra"]["training"]["options"]
     assert (saved["lr_cores"], saved["dropout"], saved["lr_scheduler_type"], saved["document_starts"],
-            saved["start_min_tokens"]) == (1e-3, 0.0, "cosine", 0.5, start_min_tokens)
+            saved["start_min_tokens"], saved["start_max_tokens"]) == \
+        (1e-3, 0.0, "cosine", 0.5, starts.get("start_min_tokens"), starts.get("start_max_tokens"))
 
 
 def test_unset_options_take_their_objectives_defaults_and_set_ones_stay():

@@ -63,9 +63,9 @@ def _rich_progress_callback(total_steps: int, tokens_per_step: int | None, minut
 OPTION_NAMES = ["objective", "data", "steps", "minutes", "seq_len", "batch_size", "gradient_accumulation_steps",
                 "lr_cores", "lr_gates", "lr_rest", "beta", "tau", "rank_multiple", "early_steps", "target_ratio",
                 "teacher", "distill_mode", "distill_states", "logging_steps", "save_steps", "seed", "warmup_steps",
-                "lr_scheduler_type", "dropout", "document_starts", "start_min_tokens", "gradient_checkpointing",
-                "bf16", "compile", "fsdp", "cut_ranks", "reproject", "reproject_at", "budget_share", "late_objective",
-                "last_block_floor"]
+                "lr_scheduler_type", "dropout", "document_starts", "start_min_tokens", "start_max_tokens",
+                "gradient_checkpointing", "bf16", "compile", "fsdp", "cut_ranks", "reproject", "reproject_at",
+                "budget_share", "late_objective", "last_block_floor"]
 
 
 @main.command()
@@ -128,6 +128,9 @@ OPTION_NAMES = ["objective", "data", "steps", "minutes", "seq_len", "batch_size"
 @click.option("--start-min-tokens", type=int, default=None,
               help="Cut each drawn document start to its first k tokens, k log-uniform from this to the "
                    "block's length (short texts, as an encoder embeds them) [default: whole blocks].")
+@click.option("--start-max-tokens", type=int, default=None,
+              help="Keep document starts up to this many tokens, past --seq-len (long texts, as an encoder "
+                   "embeds them up to 256) [default: --seq-len].")
 @click.option("--gradient-checkpointing", is_flag=True, default=None,
               help="Recompute each layer's activations in backward: less memory, more compute.")
 @click.option("--seed", type=int, default=None)
@@ -160,8 +163,8 @@ def train(model, recipe, out, resume, overwrite, as_json, max_shard_size, **valu
     options = train_options(recipe, {k: values[k] for k in OPTION_NAMES})
     show_library_logs()  # what --objective auto picked, the stage switch, a missed target
     tokens = options.batch_size * options.gradient_accumulation_steps * options.seq_len
-    if options.cuts_starts:
-        tokens = None  # steps of cut starts read fewer tokens than whole blocks: the bar counts steps
+    if options.varies_lengths:
+        tokens = None  # starts cut short or kept long: steps read other counts than whole blocks, the bar counts steps
     result = run_training(model, options, out, resume=resume, overwrite=overwrite,
                           callbacks=[_rich_progress_callback(options.steps, tokens, options.minutes)], command=command_line(),
                           max_shard_size=max_shard_size)

@@ -190,9 +190,14 @@ def _input_embedding(model: nn.Module, candidates: list[Candidate]) -> Candidate
 
 
 def max_positions(model: nn.Module) -> int | None:
-    """The longest sequence the model takes (BERT-likes' max_position_embeddings, GPT-2's n_positions)."""
+    """The longest sequence the model takes (BERT-likes' max_position_embeddings, GPT-2's n_positions),
+    less the rows before the first position where the table numbers positions after its padding
+    row (RoBERTa's and MPNet's 514 rows take 512 tokens)."""
     config = getattr(model, "config", None)
-    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    rows = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    table = next((m for name, m in model.named_modules() if name.endswith("position_embeddings")), None)
+    padding = getattr(table, "padding_idx", None)
+    return rows - (padding + 1) if rows is not None and padding is not None else rows
 
 
 @torch.no_grad()

@@ -166,6 +166,10 @@ class TrainOptions:
     # the teacher on texts as short as those a sentence encoder embeds (queries of 5 to 20 tokens,
     # descriptions of 20 to 120). None: every start is a whole block.
     start_min_tokens: int | None = None
+    # Keep each drawn document start up to this many tokens (as long as the document runs) where
+    # the packed blocks hold seq_len: a sentence encoder embeds texts up to 256 tokens, and a
+    # student trained on 128-token blocks alone drifts on the tokens past them. None: seq_len.
+    start_max_tokens: int | None = None
     # Every dropout probability of the model while it trains (its nn.Dropout modules, which BERT's
     # and GPT-2's attention also read, and Llama-style attention's float attention_dropout); None
     # keeps the model's own (0 to distill). The saved config keeps its own.
@@ -238,8 +242,14 @@ class TrainOptions:
         if start is not None and (isinstance(start, bool) or not isinstance(start, int)
                                   or not 1 <= start <= self.seq_len):
             raise ConfigError(expected(f"start_min_tokens between 1 and seq_len ({self.seq_len})", start))
-        if start is not None and self.compile:
-            raise ConfigError("--start-min-tokens with --compile: starts cut short make batches of many "
+        longest = self.start_max_tokens
+        if longest is not None and (isinstance(longest, bool) or not isinstance(longest, int)
+                                    or longest < self.seq_len):
+            raise ConfigError(expected(f"start_max_tokens as an integer of at least seq_len ({self.seq_len})",
+                                       longest))
+        if self.varies_lengths and self.compile:
+            flag = "--start-min-tokens" if start is not None else "--start-max-tokens"
+            raise ConfigError(f"{flag} with --compile: document starts of many lengths make batches of many "
                               "lengths, and the compiled CUDA graphs need one shape (drop one of the two)")
         if self.dropout is not None:
             _check_share("dropout", self.dropout)
@@ -293,10 +303,11 @@ class TrainOptions:
         return self.reproject if self.reproject is not None else self.target_ratio is not None and self.cut_ranks
 
     @property
-    def cuts_starts(self) -> bool:
-        """Whether drawn document starts are cut short, so that blocks (and steps) differ in length
-        (an unset document_starts may still default to a share of them)."""
-        return self.start_min_tokens is not None and self.document_starts != 0
+    def varies_lengths(self) -> bool:
+        """Whether drawn document starts are cut short or run past seq_len, so that blocks (and
+        steps) differ in length (an unset document_starts may still default to a share of them)."""
+        longer = self.start_max_tokens is not None and self.start_max_tokens > self.seq_len
+        return (self.start_min_tokens is not None or longer) and self.document_starts != 0
 
     @property
     def resolved(self) -> bool:

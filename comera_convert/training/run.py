@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ComeraError, ConfigError, ModelLoadError
+from ..conversion.calibration import max_positions
 from ..conversion.storage import train_on_the_grid
 from ..hf.config import compression_of, integer_format_of
 from ..models import load_tokenizer, read_config, resolve
@@ -191,7 +192,7 @@ def training_arguments(options: TrainOptions, output_dir: Path, **overrides):
         torch_compile=options.compile, torch_compile_mode="reduce-overhead" if options.compile else None,
         disable_tqdm=True, save_total_limit=2,
         **_checkpointing_arguments(TrainingArguments, options.gradient_checkpointing),
-        **_grouping_arguments(TrainingArguments, options.cuts_starts),
+        **_grouping_arguments(TrainingArguments, options.varies_lengths),
         # Under torchrun on CPU, DDP and FSDP run over gloo (NCCL needs GPUs).
         ddp_backend="gloo" if not cuda and world_size() > 1 else None,
         # A model sharded before the Trainer saves its optimizer state itself (ComeraTrainer).
@@ -226,11 +227,23 @@ def bf16_warning(options: TrainOptions, cuda: bool) -> str | None:
     return None
 
 
-def _grouping_arguments(arguments_class, cut_starts: bool) -> dict:
+def _check_lengths(model, options: TrainOptions) -> None:
+    """Refuse blocks longer than the model has positions for (a failure deep in its embeddings at
+    the first step otherwise)."""
+    longest = max(options.seq_len, options.start_max_tokens or 0)
+    limit = max_positions(model)
+    if limit is not None and longest > limit:
+        flag = "--start-max-tokens" if longest > options.seq_len else "--seq-len"
+        raise ConfigError(f"{flag} {longest} is longer than the {limit} positions the model takes: "
+                          f"expected at most {limit}")
+
+
+def _grouping_arguments(arguments_class, varied: bool) -> dict:
     """Batches of blocks of like lengths (transformers' length-grouped sampler), so that document
-    starts cut short make short, cheap batches instead of padding beside whole blocks; under the
-    name this transformers takes (``group_by_length`` became ``train_sampling_strategy``)."""
-    if not cut_starts:
+    starts cut short make short, cheap batches (and long ones long batches) instead of padding beside
+    whole blocks; under the name this transformers takes (``group_by_length`` became
+    ``train_sampling_strategy``)."""
+    if not varied:
         return {}
     names = {f.name for f in fields(arguments_class)}
     if "train_sampling_strategy" in names:
@@ -396,7 +409,9 @@ def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, 
     options = session.options
     ratio_before = session.controller.ratio()
     drawn = options.steps * options.batch_size * options.gradient_accumulation_steps
-    blocks = pack(options.data, session.tokenizer, options.seq_len, drawn * READ_AHEAD, options.max_eval_blocks)
+    blocks = pack(options.data, session.tokenizer, options.seq_len, drawn * READ_AHEAD, options.max_eval_blocks,
+                  start_len=options.start_max_tokens)
+    _check_lengths(session.model, options)
     collate = BlockCollator(session.objective, session.tokenizer, options.mlm_probability, options.seed)
     resume_from = _resume_point(out / CHECKPOINTS, resume, options)
     args = training_arguments(options, out / CHECKPOINTS, **(training_overrides or {}))
