@@ -1284,7 +1284,8 @@ def test_auto_distills_an_encoder_without_an_lm_head_from_its_recorded_source(tm
     comera_convert.convert(model, ratio=2, source=str(tmp_path / "dense"), word_embedding="tt")
     model.save_pretrained(tmp_path / "encoder")
     tokenizer.save_pretrained(tmp_path / "encoder")
-    options = TrainOptions(data=str(corpus), steps=12, seq_len=32, batch_size=4, max_eval_blocks=8, save_steps=12, **starts)
+    options = TrainOptions(data=str(corpus), steps=12, seq_len=32, batch_size=4, max_eval_blocks=8, save_steps=12,
+                           **starts)
     result = train(str(tmp_path / "encoder"), options, tmp_path / "out")
     assert result.objective == "distill"
     assert result.objective_note.startswith(f"objective auto: distill from {tmp_path / 'dense'} (BertModel has no "
