@@ -64,6 +64,7 @@ def test_full_rank_compression_is_indistinguishable_on_every_domain(tmp_path, co
         assert domain["compressed_loss"] == pytest.approx(domain["reference_loss"], rel=1e-4)
     for name in ("english", "python-stdlib"):  # held-out passages split into pairs: the task kept whole
         assert metrics["domains"][name]["pairs"] >= 8 and metrics["domains"][name]["recall_kept"] == 1.0
+        assert metrics["domains"][name]["recall_kept_error"] == 0.0  # the same right documents, query by query
     assert "recall_at_1" not in metrics["domains"][corpus]  # word lists: no first sentence to split off
 
 

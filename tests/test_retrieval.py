@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from comera_convert.errors import ConfigError
-from comera_convert.retrieval import pairs_from_texts, read_pairs, retrieval_scores, split_first_sentence
+from comera_convert.retrieval import (kept, pairs_from_texts, read_pairs, retrieval_scores, share_error,
+                                      split_first_sentence)
 
 
 def test_scores_count_where_each_right_document_ranks():
@@ -17,6 +18,22 @@ def test_scores_count_where_each_right_document_ranks():
     scores = retrieval_scores(queries, documents)
     assert scores["recall_at_1"] == pytest.approx(0.5)
     assert scores["mrr"] == pytest.approx((1 + 1 + 1 / 2 + 1 / 4) / 4)
+    assert scores["found"].tolist() == [True, True, False, False]
+
+
+def test_the_share_kept_carries_the_standard_error_a_bootstrap_of_the_queries_gives():
+    generator = torch.Generator().manual_seed(0)
+    dense = torch.rand(400, generator=generator) < 0.6
+    compressed = dense & (torch.rand(400, generator=generator) < 0.9)  # loses a tenth of dense's hits...
+    compressed |= ~dense & (torch.rand(400, generator=generator) < 0.1)  # ...and finds a few dense misses
+    scores = kept({"recall_at_1": float(compressed.float().mean()), "mrr": 0.0, "found": compressed},
+                  {"recall_at_1": float(dense.float().mean()), "mrr": 0.0, "found": dense})
+    assert "found" not in scores  # the per-query list stays out of reports
+    assert scores["recall_kept"] == pytest.approx(float(compressed.sum() / dense.sum()))
+    draws = torch.randint(0, 400, (4000, 400), generator=generator)
+    shares = compressed[draws].float().sum(1) / dense[draws].float().sum(1)
+    assert scores["recall_kept_error"] == pytest.approx(float(shares.std()), rel=0.1)
+    assert share_error(dense, dense) == 0.0  # agreeing on every query leaves nothing uncertain
 
 
 def test_a_tie_counts_against_the_right_document():

@@ -228,7 +228,8 @@ def _fidelity_rows(infos) -> dict[str, list[str]]:
 
 EVAL_COLUMNS = {  # metric key -> column title, in the order shown
     "mean_cosine": "mean cos", "min_cosine": "min cos", "nn_agreement": "NN agree",
-    "recall_at_1": "R@1", "dense_recall_at_1": "dense R@1", "recall_kept": "R@1 kept", "mrr": "MRR",
+    "recall_at_1": "R@1", "dense_recall_at_1": "dense R@1", "recall_kept": "R@1 kept",
+    "recall_kept_error": "± kept", "mrr": "MRR",
     "compressed_loss": "loss", "reference_loss": "dense loss", "compressed_accuracy": "acc",
     "reference_accuracy": "dense acc", "compressed_perplexity": "ppl", "reference_perplexity": "dense ppl",
 }
