@@ -130,8 +130,10 @@ def test_bench_inference_of_a_checkpoint_rows_every_method_with_its_quality(tmp_
     rows = {row["method"]: row for row in json.loads(result.output)["rows"]}
     assert list(rows) == ["dense", "dense, int8 dynamic (torch)", "comera float32", "comera int8 compute"]
     assert rows["dense"]["speed_vs_dense"] == 1.0 and rows["dense"]["recall_kept"] == {"words": 1.0}
+    assert rows["dense"]["recall_kept_error"] == {"words": 0.0}  # the dense model against itself
     for row in rows.values():
         assert row["sentences_per_s"] > 0 and "12 texts" in row["shape"] and set(row["recall_kept"]) == {"words"}
+        assert row["recall_kept_error"]["words"] >= 0
 
 
 @pytest.mark.slow  # compiling four models takes a few minutes

@@ -108,8 +108,8 @@ def timed_rounds(models: dict, batches: list[dict], repeats: int) -> dict[str, f
 def serving_case(checkpoint: str, reference_name: str | None, pair_files, texts: int, repeats: int,
                  progress=None, compile_models: bool = False) -> list[dict]:
     """One row per method: sentences a second, speed against dense, and recall@1 kept per pair domain
-    (each of ``pair_files``, else the built-in english corpus's held-out pairs); ``compile_models`` adds
-    each method under ``torch.compile``."""
+    (each of ``pair_files``, else the built-in english corpus's held-out pairs) with its standard
+    error; ``compile_models`` adds each method under ``torch.compile``."""
     from ..evaluation import load_compared, pair_domain_name
     from ..retrieval import held_out_pairs, kept, model_retrieval, read_pairs
 
@@ -138,13 +138,15 @@ def serving_case(checkpoint: str, reference_name: str | None, pair_files, texts:
         progress(f"retrieval on {domain} ({index + 1}/{len(domains)})")
         scores = {name: model_retrieval(model, compared.tokenizer, pairs, SEQ_LEN, compared.pooling)
                   for name, model in models.items() if not name.endswith(COMPILED)}
-        quality[domain] = {name: kept(scores[eager_name(name)], scores[DENSE])["recall_kept"] for name in models}
+        quality[domain] = {name: kept(scores[eager_name(name)], scores[DENSE]) for name in models}
     tokens = sum(int(batch["attention_mask"].sum()) for batch in batches)
     shape = f"{compared.source}, {len(documents)} texts ({tokens / len(documents):.0f} tokens avg), batch {BATCH}"
     return [{"case": "inference", "method": name, "device": "cpu", "dtype": "float32", "shape": shape,
              "sentences_per_s": round(len(documents) / seconds[name], 1),
              "speed_vs_dense": round(seconds[DENSE] / seconds[name], 2),
-             "recall_kept": {domain: round(shares[name], 3) for domain, shares in quality.items()}}
+             "recall_kept": {domain: round(shares[name]["recall_kept"], 3) for domain, shares in quality.items()},
+             "recall_kept_error": {domain: round(shares[name]["recall_kept_error"], 3)
+                                   for domain, shares in quality.items()}}
             for name in models]
 
 

@@ -14,7 +14,8 @@ from .console import console, echo_json, progress_display
 COLUMNS = ("method", "shape", "tokens", "ranks", "params_ratio", "flop_ratio", "speedup", "speedup_per_flop_ratio",
            "graph_speedup", "graph_speedup_per_flop_ratio",
            "ms", "seconds", "tokens_per_s", "sentences_per_s", "peak_mb", "speed_vs_dense", "memory_vs_dense",
-           "speed_vs_galore", "memory_vs_galore", "time_vs_load_save", "recall_kept", "error")
+           "speed_vs_galore", "memory_vs_galore", "time_vs_load_save", "recall_kept", "recall_kept_error",
+           "error")
 
 
 @main.command()
@@ -114,6 +115,6 @@ def _cell(value) -> str:
         return ""
     if isinstance(value, list):
         return ",".join(map(str, value))
-    if isinstance(value, dict):  # recall kept by domain
+    if isinstance(value, dict):  # recall kept by domain, and its standard error
         return ", ".join(f"{key} {item}" for key, item in value.items())
     return str(value)
