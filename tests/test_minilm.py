@@ -50,6 +50,7 @@ def readme_conversion(tmp_path_factory):
     return convert_at_ratio_4(tmp_path_factory.mktemp("readme"), "--calibration-sequences", "32")
 
 
+@pytest.mark.ends
 def test_cli_convert_report_and_fresh_process_load(minilm_tt4, tmp_path):
     from transformers import AutoTokenizer
 
@@ -232,6 +233,7 @@ def test_the_default_at_ratio_4_keeps_more_of_the_retrieval_task_than_the_previo
     (["--calibration-sequences", "4"], "at least 12 sequences of 128 tokens are needed"),
     (["--calibration", "no/such/texts.txt"], "no such file or directory"),
 ])
+@pytest.mark.ends
 def test_bad_calibration_input_is_one_line(tmp_path, args, fragment):
     base = ["--calibration", "python-stdlib"] if "--calibration" not in args else []
     done = subprocess.run(CLI + ["convert", "minilm", "--ratio", "4", "--out", str(tmp_path / "o")] + base + args,

@@ -95,6 +95,7 @@ def _compiles_once(model) -> bool:
 
 
 @pytest.mark.slow  # a compilation end to end
+@pytest.mark.ends
 def test_torch_compile_of_a_loaded_model(tmp_path):
     import torch._dynamo
 

@@ -13,6 +13,8 @@ cd "$(dirname "$0")/.."
 ENDS=${ENDS:-"lowest 5.3 newest"}
 # What the README's commands go through: conversion (streamed and in memory), the three loading
 # ways, saving, carried files, report, eval, train and decompress from the CLI, the real MiniLM.
+# Their fast tests, and of the slow ones only those marked `ends` (the real MiniLM converted and
+# loaded in a fresh process, a loaded model compiled): all of them at three ends overran CI's time.
 INTEGRATION=(tests/test_compat.py tests/test_checkpoint.py tests/test_convert.py tests/test_serving.py
              tests/test_carry.py tests/test_streaming.py tests/test_cli.py tests/test_failures.py
              tests/test_minilm.py tests/test_int8_compute.py)
@@ -44,6 +46,6 @@ for end in $ENDS; do
         >"$env.log" 2>&1 || { tail -30 "$env.log"; exit 1; }
     "$env/bin/python" -c "import torch, transformers; print('installed torch', torch.__version__, \
 'transformers', transformers.__version__, 'in', $SECONDS - $start, 's')"
-    "$env/bin/python" -m pytest -q -p no:cacheprovider -m "slow or not slow" "${tests[@]}"  # the slow ones too
+    "$env/bin/python" -m pytest -q -p no:cacheprovider -m "not slow or ends" "${tests[@]}"
     rm -rf "$env" "$env.log"
 done
