@@ -5,11 +5,13 @@ Compressed checkpoints of one source (as many as given: ratios, storage dtypes, 
 the peers of that source (``peers.py``: rounding every weight to 16, 8, 4, 3 and 2 bits; Model2Vec
 at each checkpoint's bytes where model2vec's distillation is installed) are scored on the same
 query/document pairs, the dense model's embeddings computed once: the share of its recall@1 each
-keeps per domain, and their mean. A plot puts the mean against the bytes, on a log scale.
+keeps per domain with its standard error, and their mean. A plot puts the mean against the bytes,
+on a log scale.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,21 +24,36 @@ from .retrieval import kept, model_retrieval, read_pairs
 
 @dataclass
 class FrontierPoint:
-    """One model on the frontier: its label, what it is ("comera" or "peer"), its bytes and the share
-    of dense recall@1 it keeps per domain."""
+    """One model on the frontier: its label, what it is ("comera" or "peer"), its bytes, and the share
+    of dense recall@1 it keeps per domain with that share's standard error (``retrieval.share_error``)."""
 
     label: str
     kind: str
     bytes: int
     kept: dict[str, float] = field(default_factory=dict)
+    kept_error: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def scored(cls, label: str, kind: str, stored: int, scores: dict[str, dict]) -> FrontierPoint:
+        """The point of ``scores``: per domain, what ``retrieval.kept`` returns."""
+        return cls(label, kind, stored, {name: s["recall_kept"] for name, s in scores.items()},
+                   {name: s.get("recall_kept_error", math.nan) for name, s in scores.items()})
 
     @property
     def mean_kept(self) -> float:
         return sum(self.kept.values()) / len(self.kept)
 
+    @property
+    def mean_kept_error(self) -> float:
+        """The standard error of ``mean_kept``: each domain's pairs are its own draw, so the domains'
+        errors add in quadrature."""
+        if not self.kept_error:
+            return math.nan
+        return math.sqrt(sum(error ** 2 for error in self.kept_error.values())) / len(self.kept_error)
+
     def to_dict(self) -> dict:
         return {"label": self.label, "kind": self.kind, "bytes": self.bytes, "kept": self.kept,
-                "mean_kept": self.mean_kept}
+                "kept_error": self.kept_error, "mean_kept": self.mean_kept, "mean_kept_error": self.mean_kept_error}
 
 
 def size_frontier(models: list[str], pairs=(), texts: int = 200, seq_len: int = 128, peers: bool = True,
@@ -71,9 +88,8 @@ def size_frontier(models: list[str], pairs=(), texts: int = 200, seq_len: int = 
 
     def scored(label: str, kind: str, stored: int, model) -> FrontierPoint:
         progress(f"measuring {label}")
-        shares = {name: kept(model_retrieval(model, tokenizer, task.pairs, seq_len), task.dense)["recall_kept"]
-                  for name, task in tasks.items()}
-        return FrontierPoint(label, kind, stored, shares)
+        return FrontierPoint.scored(label, kind, stored, {
+            name: kept(model_retrieval(model, tokenizer, task.pairs, seq_len), task.dense) for name, task in tasks.items()})
 
     points = [scored(name, "comera", weight_bytes(path), from_pretrained(path, task="base").eval())
               for name, path in zip(models, paths)]
@@ -103,8 +119,7 @@ def _static_points(source_path, byte_counts: list[int], config: dict, tasks: dic
         if static is None:
             notes.append(MODEL2VEC_MISSING)
             return points
-        shares = {name: scores["recall_kept"] for name, scores in static.kept(tasks).items()}
-        points.append(FrontierPoint(static.label, "peer", static.stored_bytes, shares))
+        points.append(FrontierPoint.scored(static.label, "peer", static.stored_bytes, static.kept(tasks)))
     return points
 
 
@@ -117,15 +132,17 @@ def _one_source_error(models: list[str], configs: list[dict]) -> str:
 
 
 def plot_frontier(frontier: dict, path: Path) -> Path:
-    """The mean share kept against the bytes (log scale), comera's checkpoints and the peers apart."""
+    """The mean share kept against the bytes (log scale), each with its standard error as a bar,
+    comera's checkpoints and the peers apart."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(8, 5), dpi=100)
     axis = fig.subplots()
     for kind, marker, colour in (("comera", "o", "tab:blue"), ("peer", "s", "tab:gray")):
         points = [p for p in frontier["points"] if p["kind"] == kind]
-        axis.scatter([p["bytes"] / 1e6 for p in points], [p["mean_kept"] for p in points], marker=marker,
-                     color=colour, label="comera checkpoints" if kind == "comera" else "peers")
+        axis.errorbar([p["bytes"] / 1e6 for p in points], [p["mean_kept"] for p in points],
+                      yerr=[p.get("mean_kept_error", 0.0) for p in points], fmt=marker, color=colour, capsize=3,
+                      label="comera checkpoints" if kind == "comera" else "peers")
         for p in points:
             axis.annotate(p["label"], (p["bytes"] / 1e6, p["mean_kept"]), fontsize=7, xytext=(3, 3),
                           textcoords="offset points")

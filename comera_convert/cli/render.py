@@ -135,7 +135,8 @@ def _training_text(training: dict) -> str:
 
 def peers_table(model: str, metrics: dict, width: int) -> RenderableType:
     """The compressed model and every peer in one table: bytes, how many times fewer than the dense
-    model's, and the share of dense recall@1 (else the mean cosine) kept per domain."""
+    model's, and per domain the share of dense recall@1 kept with its standard error (the mean cosine
+    to the dense model where retrieval was not scored)."""
     sizes = metrics["sizes"]
     dense_bytes = sizes["dense"]["bytes"]
     entries = [(model, metrics["domains"], sizes["compressed"])]
@@ -147,21 +148,30 @@ def peers_table(model: str, metrics: dict, width: int) -> RenderableType:
     for label, domains, size in entries:
         stored = size["bytes"] if size else None
         rows.append([label, human_bytes(stored) if stored else "-", f"{dense_bytes / stored:.1f}x" if stored else "-",
-                     *(f"{domains[n][measure]:.3f}" if measure in domains.get(n, {}) else "" for n in names)])
+                     *(_kept_text(domains.get(n, {}), measure) for n in names)])
     what = "share of dense recall@1 kept" if measure == "recall_kept" else "mean cosine to the dense model"
     return fitted(f"against the peers: {what}, bytes against the dense model's {human_bytes(dense_bytes)}",
                   columns, rows, width)
 
 
+def _kept_text(metrics: dict, measure: str) -> str:
+    """``metrics[measure]`` to three places, with the share's standard error where it was measured."""
+    if measure not in metrics:
+        return ""
+    error = metrics.get("recall_kept_error") if measure == "recall_kept" else None
+    return f"{metrics[measure]:.3f}" + (f" ± {error:.3f}" if error is not None else "")
+
+
 def frontier_table(frontier: dict, width: int) -> RenderableType:
     """Every model of the frontier by bytes, largest first: how many times fewer bytes than the dense
-    model, and the share of dense recall@1 kept per domain and on average."""
+    model, and the share of dense recall@1 kept per domain and on average, with the mean's standard
+    error."""
     dense = frontier["dense_bytes"]
     columns = ([("model", "left"), ("bytes", "right"), ("fewer", "right")]
-               + [(name, "right") for name in frontier["domains"]] + [("mean", "right")])
+               + [(name, "right") for name in frontier["domains"]] + [("mean", "right"), ("± mean", "right")])
     rows = [[p["label"] + (" (peer)" if p["kind"] == "peer" else ""), human_bytes(p["bytes"]),
              f"{dense / p['bytes']:.1f}x", *(f"{p['kept'][name]:.3f}" for name in frontier["domains"]),
-             f"{p['mean_kept']:.3f}"] for p in frontier["points"]]
+             f"{p['mean_kept']:.3f}", f"{p['mean_kept_error']:.3f}"] for p in frontier["points"]]
     return fitted(f"size frontier of {frontier['reference']}: share of dense recall@1 kept "
                   f"(dense {human_bytes(dense)})", columns, rows, width)
 
