@@ -53,7 +53,8 @@ class FrontierPoint:
 
     def to_dict(self) -> dict:
         return {"label": self.label, "kind": self.kind, "bytes": self.bytes, "kept": self.kept,
-                "kept_error": self.kept_error, "mean_kept": self.mean_kept, "mean_kept_error": self.mean_kept_error}
+                "kept_error": self.kept_error, "mean_kept": self.mean_kept,
+                "mean_kept_error": self.mean_kept_error}
 
 
 def size_frontier(models: list[str], pairs=(), texts: int = 200, seq_len: int = 128, peers: bool = True,
@@ -88,8 +89,9 @@ def size_frontier(models: list[str], pairs=(), texts: int = 200, seq_len: int = 
 
     def scored(label: str, kind: str, stored: int, model) -> FrontierPoint:
         progress(f"measuring {label}")
-        return FrontierPoint.scored(label, kind, stored, {
-            name: kept(model_retrieval(model, tokenizer, task.pairs, seq_len), task.dense) for name, task in tasks.items()})
+        scores = {name: kept(model_retrieval(model, tokenizer, task.pairs, seq_len), task.dense)
+                  for name, task in tasks.items()}
+        return FrontierPoint.scored(label, kind, stored, scores)
 
     points = [scored(name, "comera", weight_bytes(path), from_pretrained(path, task="base").eval())
               for name, path in zip(models, paths)]
@@ -141,7 +143,7 @@ def plot_frontier(frontier: dict, path: Path) -> Path:
     for kind, marker, colour in (("comera", "o", "tab:blue"), ("peer", "s", "tab:gray")):
         points = [p for p in frontier["points"] if p["kind"] == kind]
         axis.errorbar([p["bytes"] / 1e6 for p in points], [p["mean_kept"] for p in points],
-                      yerr=[p.get("mean_kept_error", 0.0) for p in points], fmt=marker, color=colour, capsize=3,
+                      yerr=[p["mean_kept_error"] for p in points], fmt=marker, color=colour, capsize=3,
                       label="comera checkpoints" if kind == "comera" else "peers")
         for p in points:
             axis.annotate(p["label"], (p["bytes"] / 1e6, p["mean_kept"]), fontsize=7, xytext=(3, 3),

@@ -251,11 +251,12 @@ def test_the_frontier_scores_checkpoints_and_peers_by_bytes(tmp_path):
         assert set(point["kept"]) == set(point["kept_error"]) == set(result["domains"])
         assert point["mean_kept"] == pytest.approx(sum(point["kept"].values()) / 3)
         assert all(error >= 0 for error in point["kept_error"].values())
-        assert point["mean_kept_error"] == pytest.approx(sum(e ** 2 for e in point["kept_error"].values()) ** 0.5 / 3)
-    assert points["bfloat16 storage"]["mean_kept"] == pytest.approx(1.0, abs=0.15)
-    for point in result["points"]:  # a share strictly between none and all leaves disagreeing queries
+        quadrature = sum(error ** 2 for error in point["kept_error"].values()) ** 0.5
+        assert point["mean_kept_error"] == pytest.approx(quadrature / 3)
+        # A share strictly between none and all leaves queries on which the two models disagree.
         for name, share in point["kept"].items():
             assert point["kept_error"][name] > 0 or share in (0, 1), (point["label"], name, share)
+    assert points["bfloat16 storage"]["mean_kept"] == pytest.approx(1.0, abs=0.15)
 
 
 def test_the_tables_put_the_standard_error_beside_each_share():
@@ -269,9 +270,9 @@ def test_the_tables_put_the_standard_error_beside_each_share():
         return console.export_text()
 
     scored = {"recall_kept": 0.9512, "recall_kept_error": 0.0307}
-    peers = text(peers_table("tt4", {"sizes": {"dense": {"bytes": 4000}, "compressed": {"bytes": 1000},
-                                              "int8": {"bytes": 1000}},
-                                    "domains": {"english": scored}, "baselines": {"int8": {"english": scored}}}, 200))
+    sizes = {"dense": {"bytes": 4000}, "compressed": {"bytes": 1000}, "int8": {"bytes": 1000}}
+    metrics = {"sizes": sizes, "domains": {"english": scored}, "baselines": {"int8": {"english": scored}}}
+    peers = text(peers_table("tt4", metrics, 200))
     assert peers.count("0.951 ± 0.031") == 2 and "4.0x" in peers
     point = {"label": "tt4", "kind": "comera", "bytes": 1000, "kept": {"english": 0.9, "man": 0.8},
              "mean_kept": 0.85, "mean_kept_error": 0.0253}

@@ -168,7 +168,8 @@ def frontier_table(frontier: dict, width: int) -> RenderableType:
     error."""
     dense = frontier["dense_bytes"]
     columns = ([("model", "left"), ("bytes", "right"), ("fewer", "right")]
-               + [(name, "right") for name in frontier["domains"]] + [("mean", "right"), ("± mean", "right")])
+               + [(name, "right") for name in frontier["domains"]]
+               + [("mean", "right"), ("± mean", "right")])
     rows = [[p["label"] + (" (peer)" if p["kind"] == "peer" else ""), human_bytes(p["bytes"]),
              f"{dense / p['bytes']:.1f}x", *(f"{p['kept'][name]:.3f}" for name in frontier["domains"]),
              f"{p['mean_kept']:.3f}", f"{p['mean_kept_error']:.3f}"] for p in frontier["points"]]
