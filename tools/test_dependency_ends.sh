@@ -4,7 +4,8 @@
 #
 #   lowest  torch 2.4.0 and transformers 5.1.0, the declared lower bounds
 #   5.3     transformers 5.3.0, what model2vec[distill] pins, with the CPU torch these machines carry
-#   newest  the newest torch and transformers releases inside the ranges that pip installs here
+#   newest  the newest torch and transformers releases inside the ranges that pip installs here, with
+#           the project and every dependency (pip's resolver picks them together, as for users)
 #
 #   tools/test_dependency_ends.sh                # all three
 #   ENDS="lowest" tools/test_dependency_ends.sh  # one of them
@@ -24,17 +25,25 @@ declared() {  # the requirement pyproject.toml declares for package $1, e.g. "to
 print(sys.argv[1] + supported_ranges()[sys.argv[1]])' "$1"
 }
 
-newest() {  # the newest release inside the declared range of $1 that pip installs on this machine
-    # (pip's resolver, so a machine-wide constraint such as a cap on torch holds as it does for users)
-    python -m pip install --dry-run --ignore-installed --no-deps --quiet --report - "$(declared "$1")" 2>/dev/null \
-        | python -c 'import json, sys; print(json.load(sys.stdin)["install"][0]["metadata"]["version"])'
+newest() {  # "TORCH TRANSFORMERS": the newest releases inside the declared ranges that pip installs here
+    # together with the project and its dependencies: pip's resolver, dependencies included, so a
+    # release whose own requirements this index lacks (transformers 5.25 needs a kernels it has not)
+    # and a machine-wide cap on torch hold here as they do for users.
+    local report="${TMPDIR:-/tmp}/comera-ends-newest.json"
+    python -m pip install --dry-run --ignore-installed --quiet --report "$report" \
+        "$(declared torch)" "$(declared transformers)" -e ".[dev]" >/dev/null 2>&1
+    python -c 'import json, sys
+versions = {p["metadata"]["name"]: p["metadata"]["version"] for p in json.load(open(sys.argv[1]))["install"]}
+print(versions["torch"], versions["transformers"])' "$report"
+    rm -f "$report"
 }
 
 for end in $ENDS; do
     case $end in
         lowest) torch=2.4.0; transformers=5.1.0; tests=("${INTEGRATION[@]}") ;;
         5.3) torch=2.13.0; transformers=5.3.0; tests=(tests/test_compat.py tests/test_failures.py tests/test_minilm.py) ;;
-        newest) torch=$(newest torch); transformers=$(newest transformers); tests=("${INTEGRATION[@]}") ;;
+        newest) read -r torch transformers < <(newest) || { echo "pip resolves no torch and transformers here" >&2; exit 1; }
+                tests=("${INTEGRATION[@]}") ;;
         *) echo "unknown end $end (lowest, 5.3, newest)" >&2; exit 2 ;;
     esac
     env="${TMPDIR:-/tmp}/comera-ends-$end"
