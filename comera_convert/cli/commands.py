@@ -104,8 +104,9 @@ def _default_out(model: str, ratio, rank) -> str:
 @click.option("--device", default=None, metavar="DEVICE",
               help="Run the decompositions on DEVICE (cuda, cuda:1); reading and writing stay on the host "
                    "[default: where the weights are].")
-@click.option("--recipe", type=click.Path(dir_okay=False), default=None,
-              help="A YAML conversion recipe; options given here override it.")
+@click.option("--recipe", default=None, metavar="NAME|FILE",
+              help="A conversion recipe: a packaged one by name (`comera recipes`) or a YAML file; options "
+                   "given here override it.")
 @click.option("--task", type=click.Choice(list(TASK_CLASSES)), default=None,
               help="Load the model with this head [default: its recorded architecture].")
 @click.option("--out", type=click.Path(), default=None, help="Output directory [default: <model>-tt<ratio>].")
@@ -194,6 +195,22 @@ def report(models, compare, by_module, as_json):
         return
     out.print(modules_table(info.report, out.width, by_block=not by_module))
     out.print(totals_table(info.report, info.disk_bytes))
+
+
+@main.command(name="recipes")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def list_recipes(as_json):
+    """List the recipes that ship with the package: `--recipe NAME` takes any of them."""
+    from ..recipes import packaged_recipes, purpose
+    from .render import fitted
+
+    found = {name: purpose(path) for name, path in packaged_recipes().items()}
+    if as_json:
+        echo_json(found)
+        return
+    out = console()
+    out.print(fitted("packaged recipes", [("name", "left"), ("what it is for", "left")],
+                     [[name, text] for name, text in found.items()], out.width))
 
 
 @main.command()

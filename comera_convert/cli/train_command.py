@@ -105,7 +105,8 @@ OPTION_NAMES = ["objective", "data", "steps", "minutes", "seq_len", "batch_size"
 @click.option("--tau", type=float, default=None, help="Gate pruning threshold [default: 1e-2].")
 @click.option("--rank-multiple", type=int, default=None,
               help="Prune so that open ranks stay multiples of this, e.g. 8 for bf16 GPUs [default: 1].")
-@click.option("--early-steps", type=int, default=None, help="Steps of the early stage [default: 2/3 of steps, 5 % with --target-ratio].")
+@click.option("--early-steps", type=int, default=None,
+              help="Steps of the early stage [default: 2/3 of steps, 5 % with --target-ratio].")
 @click.option("--teacher", default=None, help="Dense teacher for distill [default: the recorded source].")
 @click.option("--distill-mode", type=click.Choice(DISTILL_MODES), default=None,
               help="Feed each student block the student's own states (end-to-end) or the teacher's "
@@ -134,7 +135,8 @@ OPTION_NAMES = ["objective", "data", "steps", "minutes", "seq_len", "batch_size"
 @click.option("--gradient-checkpointing", is_flag=True, default=None,
               help="Recompute each layer's activations in backward: less memory, more compute.")
 @click.option("--seed", type=int, default=None)
-@click.option("--bf16/--no-bf16", default=None, help="bf16 autocast [default: on with CUDA, or on a CPU with AVX512-BF16 or AMX].")
+@click.option("--bf16/--no-bf16", default=None,
+              help="bf16 autocast [default: on with CUDA, or on a CPU with AVX512-BF16 or AMX].")
 @click.option("--compile", is_flag=True, default=None, help="torch.compile with CUDA graphs (fixed shapes).")
 @click.option("--fsdp", is_flag=True, default=None,
               help="Shard parameters, gradients and optimizer state across the workers (FSDP2; under torchrun).")
@@ -147,7 +149,8 @@ OPTION_NAMES = ["objective", "data", "steps", "minutes", "seq_len", "batch_size"
 @click.option("--reproject-at", type=click.Choice(REPROJECT_AT), default=None,
               help="Re-project once at the switch, or at the switch and at every later rank cut "
                    "[default: switch].")
-@click.option("--recipe", type=click.Path(dir_okay=False), default=None, help="A YAML training recipe.")
+@click.option("--recipe", default=None, metavar="NAME|FILE",
+              help="A training recipe: a packaged one by name (`comera recipes`) or a YAML file.")
 @click.option("--out", type=click.Path(), required=True, help="Output directory (checkpoints go in out/checkpoints).")
 @click.option("--resume", is_flag=True, help="Resume from the last checkpoint in OUT/checkpoints.")
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty output directory.")
@@ -166,7 +169,8 @@ def train(model, recipe, out, resume, overwrite, as_json, max_shard_size, **valu
     if options.varies_lengths:
         tokens = None  # starts cut short or kept long: steps read other counts than whole blocks, the bar counts steps
     result = run_training(model, options, out, resume=resume, overwrite=overwrite,
-                          callbacks=[_rich_progress_callback(options.steps, tokens, options.minutes)], command=command_line(),
+                          callbacks=[_rich_progress_callback(options.steps, tokens, options.minutes)],
+                          command=command_line(),
                           max_shard_size=max_shard_size)
     leave_process_group()
     if result.report is None:

@@ -1,0 +1,73 @@
+"""Recipes: YAML files of options (``comera convert --recipe NAME``, ``comera train --recipe NAME``).
+
+Every key is a field of ConvertOptions (``conversion/options.py``) or TrainOptions
+(``training/options.py``), which say what each means; command-line options override the recipe's.
+The recipes in this folder ship with the package: ``--recipe train-minilm-distill`` names one, as
+does any path ending in its file name; any other YAML file is read as given. Each recipe's first
+line says what it is for (``comera recipes`` lists them).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from ..conversion.options import ConvertOptions
+from ..errors import ConfigError
+from ..training.options import TrainOptions
+
+PACKAGED = Path(__file__).resolve().parent
+
+
+def packaged_recipes() -> dict[str, Path]:
+    """The recipes that ship with the package, by name (the file name without ``.yaml``)."""
+    return {path.stem: path for path in sorted(PACKAGED.glob("*.yaml"))}
+
+
+def purpose(path: Path) -> str:
+    """A recipe's first line, what it is for, without its comment mark."""
+    lines = path.read_text().splitlines()
+    return lines[0].lstrip("#").strip() if lines else ""
+
+
+def resolve_recipe(recipe: str | Path) -> Path:
+    """The file ``recipe`` names: a YAML file that exists, else a packaged recipe named by it (its name,
+    or a path ending in its file name, such as ``recipes/train-minilm-distill.yaml``)."""
+    path = Path(recipe)
+    if path.is_file():
+        return path
+    packaged = packaged_recipes()
+    name = path.name.removesuffix(".yaml").removesuffix(".yml")
+    if name in packaged and (path.suffix in ("", ".yaml", ".yml")):
+        return packaged[name]
+    raise ConfigError(f"recipe {recipe} does not exist: expected a YAML file or a packaged recipe "
+                      f"({', '.join(packaged)})")
+
+
+def load_recipe(recipe: str | Path) -> dict:
+    """The mapping of option names to values that ``recipe`` (a name or a file) holds."""
+    path = resolve_recipe(recipe)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"recipe {recipe} is not valid YAML: {str(err).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"recipe {recipe}: expected a mapping of option names to values (got {type(data).__name__})")
+    return data
+
+
+def convert_options(recipe: str | Path | None, overrides: dict) -> ConvertOptions:
+    """Options from a recipe (if any) with the given non-None overrides on top."""
+    data = load_recipe(recipe) if recipe else {}
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    if data.get("rank") is not None and overrides.get("ratio") is None:
+        data["ratio"] = None  # a rank replaces the default ratio unless a ratio is given too
+    return ConvertOptions.from_dict(data, origin=f"recipe {recipe}" if recipe else "options")
+
+
+def train_options(recipe: str | Path | None, overrides: dict) -> TrainOptions:
+    """Training options from a recipe (if any) with the given non-None overrides on top."""
+    data = load_recipe(recipe) if recipe else {}
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    return TrainOptions.from_dict(data, origin=f"recipe {recipe}" if recipe else "options")
