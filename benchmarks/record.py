@@ -1,0 +1,184 @@
+"""Benchmark records: one JSON file per published table, under ``benchmarks/results/``.
+
+A record says what was run and where, and holds the figures:
+
+    {
+      "name": "quality-minilm",                      # the file's stem
+      "title": "all-MiniLM-L6-v2: share of dense recall@1 kept, right after conversion",
+      "command": "python benchmarks/quality.py minilm ...",   # reproduces it
+      "machine": {"cpu": "AMD EPYC", "cores": 2, "gpu": null},
+      "versions": {"torch": "2.13.0+cpu", "transformers": "5.25.0", "comera_convert": "0.1.0"},
+      "date": "2026-12-04",
+      "columns": [{"key": "label", "header": "model"}, {"key": "english", "header": "english",
+                   "format": ".3f"}, ...],
+      "rows": [{"label": "--ratio 4", "english": {"value": 0.916, "error": 0.031}, ...}, ...],
+      "notes": ["..."]                                # optional: what a reader must know
+    }
+
+A cell is a string, a number, null (nothing measured) or ``{"value": x, "error": e}`` (a figure and
+its standard error). ``source`` (optional) says where figures measured before the record format came
+from (the git commit of the measurement log they were copied from). ``render.py`` turns records into
+the tables of BENCHMARKS.md, README.md and docs/findings.md.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+REQUIRED = {"name": str, "title": str, "command": str, "machine": dict, "versions": dict, "date": str,
+            "columns": list, "rows": list}
+REQUIRED_MACHINE = ("cpu", "cores")
+REQUIRED_VERSIONS = ("torch", "transformers")
+
+
+class RecordError(ValueError):
+    """A record that cannot be rendered: the message names the record and what is wrong."""
+
+
+def cpu_model() -> str:
+    """The CPU's model name as the kernel reports it ("AMD EPYC", "Intel(R) Xeon(R) ...")."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_features() -> list[str]:
+    """The vector extensions that change CPU figures (bfloat16 and int8 kernels), where present."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return []
+    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")
+    return [flag for flag in wanted if f" {flag}" in flags]
+
+
+def machine() -> dict:
+    """This machine, as a record states it: CPU model, cores torch uses, its vector features, the GPU."""
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"cpu": cpu_model(), "cores": torch.get_num_threads(), "features": cpu_features(), "gpu": gpu}
+
+
+def versions() -> dict:
+    import torch
+    import transformers
+
+    import comera_convert
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "comera_convert": comera_convert.__version__, "python": platform.python_version()}
+
+
+def commit() -> str | None:
+    """The checkout's commit (with "+changes" when the tree differs from it), or None outside git."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+changes" if dirty else "")
+
+
+def cell(value: float | None, error: float | None = None) -> dict | float | None:
+    """A figure with its standard error where one was measured."""
+    if value is None or error is None or error != error:  # NaN: no error could be computed
+        return value
+    return {"value": value, "error": error}
+
+
+def columns(*specs: tuple) -> list[dict]:
+    """Column definitions from ``(key, header)`` or ``(key, header, format)`` tuples; the format is
+    Python's (``.3f``) and applies to numbers and their errors."""
+    return [{k: v for k, v in zip(("key", "header", "format"), spec) if v is not None} for spec in specs]
+
+
+def new_record(name: str, title: str, command: str, column_specs: list[tuple], rows: list[dict],
+               notes: list[str] = ()) -> dict:
+    """A record of figures measured now, on this machine."""
+    record = {"name": name, "title": title, "command": command, "machine": machine(), "versions": versions(),
+              "date": _dt.date.fromtimestamp(time.time()).isoformat(), "commit": commit(),
+              "columns": columns(*column_specs), "rows": rows, "notes": list(notes)}
+    validate(record, name)
+    return record
+
+
+def write(record: dict, results: Path = RESULTS) -> Path:
+    """Write ``record`` as ``results/NAME.json``, whole or not at all."""
+    path = results / f"{record['name']}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def load(name: str, results: Path = RESULTS) -> dict:
+    """The record ``name``, validated."""
+    path = results / f"{name}.json"
+    if not path.is_file():
+        raise RecordError(f"no record {name!r}: expected {path}")
+    try:
+        record = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise RecordError(f"record {name!r} ({path}) is not valid JSON: {err}") from None
+    validate(record, name)
+    return record
+
+
+def validate(record, name: str) -> None:
+    """Raise RecordError (naming the record and the field) when ``record`` lacks what a table needs."""
+    if not isinstance(record, dict):
+        raise RecordError(f"record {name!r}: expected a JSON object, got {type(record).__name__}")
+    for field, kind in REQUIRED.items():
+        if field not in record:
+            raise RecordError(f"record {name!r} has no {field!r} field")
+        if not isinstance(record[field], kind):
+            raise RecordError(f"record {name!r}: {field!r} should be a {kind.__name__}, "
+                              f"got {type(record[field]).__name__}")
+    for part, fields in (("machine", REQUIRED_MACHINE), ("versions", REQUIRED_VERSIONS)):
+        missing = [field for field in fields if field not in record[part]]
+        if missing:
+            raise RecordError(f"record {name!r}: {part!r} has no {missing[0]!r}")
+    try:
+        _dt.date.fromisoformat(record["date"])
+    except ValueError:
+        raise RecordError(f"record {name!r}: 'date' should read YYYY-MM-DD, got {record['date']!r}") from None
+    keys = []
+    for column in record["columns"]:
+        if not isinstance(column, dict) or "key" not in column or "header" not in column:
+            raise RecordError(f"record {name!r}: each column needs a 'key' and a 'header', got {column!r}")
+        keys.append(column["key"])
+    for index, row in enumerate(record["rows"]):
+        if not isinstance(row, dict):
+            raise RecordError(f"record {name!r}: row {index + 1} should be an object, got {type(row).__name__}")
+        missing = [key for key in keys if key not in row]
+        if missing:
+            raise RecordError(f"record {name!r}: row {index + 1} has no {missing[0]!r} (write null where "
+                              f"nothing was measured)")
+        for key in keys:
+            _check_cell(row[key], name, index, key)
+
+
+def _check_cell(value, name: str, index: int, key: str) -> None:
+    if value is None or isinstance(value, (str, int, float)):
+        return
+    if isinstance(value, dict) and set(value) == {"value", "error"} and all(
+            isinstance(value[part], (int, float)) for part in value):
+        return
+    raise RecordError(f"record {name!r}: row {index + 1}, {key!r} should be a string, a number, null or "
+                      f"{{\"value\": x, \"error\": e}}, got {value!r}")

@@ -1,0 +1,161 @@
+"""Benchmark records and the tables written from them (benchmarks/): every published table matches its
+record, a changed figure or a table with no record fails the check in one line naming it, and the
+scripts turn what `comera frontier` and `comera bench` report into records."""
+
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BENCHMARKS = REPO / "benchmarks"
+
+
+def script(name: str):
+    """A module of benchmarks/ (they are scripts, not a package)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+render = script("render")
+record = script("record")
+
+
+def a_checkout(tmp_path: Path) -> Path:
+    """The documents and records of the repository, copied, to change without touching it."""
+    root = tmp_path / "repo"
+    shutil.copytree(BENCHMARKS / "results", root / "benchmarks" / "results")
+    shutil.copytree(REPO / "docs", root / "docs")
+    for name in ("BENCHMARKS.md", "README.md"):
+        shutil.copy(REPO / name, root / name)
+    return root
+
+
+def test_every_published_table_matches_its_record(capsys):
+    assert render.main(["--check"]) == 0, capsys.readouterr().err
+
+
+def test_every_record_is_complete_and_rendered_somewhere():
+    text = "\n".join(path.read_text() for path in render.documents(REPO) if path.is_file())
+    for path in sorted((BENCHMARKS / "results").glob("*.json")):
+        loaded = record.load(path.stem)
+        assert loaded["name"] == path.stem
+        assert f"<!-- record: {path.stem}" in text, f"{path.name} is published nowhere"
+
+
+def test_a_changed_figure_fails_the_check_naming_its_record(tmp_path, capsys):
+    root = a_checkout(tmp_path)
+    path = root / "benchmarks" / "results" / "serving-minilm.json"
+    data = json.loads(path.read_text())
+    data["rows"][3]["long_sps"] = data["rows"][3]["long_sps"] + 1.0
+    path.write_text(json.dumps(data))
+    assert render.main(["--check", "--root", str(root)]) == 1
+    error = capsys.readouterr().err
+    assert "the table of record 'serving-minilm' differs from the record" in error
+    assert render.main(["--root", str(root)]) == 0  # written afresh, the check passes again
+    assert render.main(["--check", "--root", str(root)]) == 0
+    assert f"| {data['rows'][3]['long_sps']} |" in (root / "BENCHMARKS.md").read_text()
+
+
+def test_a_record_missing_a_field_is_one_line_naming_it(tmp_path, capsys):
+    root = a_checkout(tmp_path)
+    path = root / "benchmarks" / "results" / "fsdp-memory.json"
+    data = json.loads(path.read_text())
+    del data["machine"]["cpu"]
+    path.write_text(json.dumps(data))
+    assert render.main(["--check", "--root", str(root)]) == 2
+    assert capsys.readouterr().err == "error: record 'fsdp-memory': 'machine' has no 'cpu'\n"
+    del data["date"]
+    path.write_text(json.dumps(data))
+    assert render.main(["--check", "--root", str(root)]) == 2
+    assert capsys.readouterr().err == "error: record 'fsdp-memory' has no 'date' field\n"
+
+
+def test_a_table_with_no_record_behind_it_fails_naming_the_line(tmp_path, capsys):
+    root = a_checkout(tmp_path)
+    text = (root / "BENCHMARKS.md").read_text()
+    (root / "BENCHMARKS.md").write_text(text + "\n| model | kept |\n|---|---|\n| a | 0.93 |\n")
+    assert render.main(["--check", "--root", str(root)]) == 1
+    line = len(text.split("\n")) + 1
+    assert f"BENCHMARKS.md line {line}: a table of figures with no record behind it" in capsys.readouterr().err
+    readme = (root / "README.md").read_text()
+    (root / "README.md").write_text(readme + "\n| job | route |\n|---|---|\n| serve | convert |\n")
+    (root / "BENCHMARKS.md").write_text(text)
+    assert render.main(["--check", "--root", str(root)]) == 0  # the README may hold tables without figures
+
+
+def test_a_block_naming_a_missing_record_or_column_is_refused(tmp_path, capsys):
+    root = a_checkout(tmp_path)
+    (root / "docs" / "extra.md").write_text("<!-- record: no-such-record -->\n<!-- /record -->\n")
+    assert render.main(["--check", "--root", str(root)]) == 2
+    assert "no record 'no-such-record'" in capsys.readouterr().err
+    (root / "docs" / "extra.md").write_text("<!-- record: fsdp-memory columns=model,speed -->\n<!-- /record -->\n")
+    assert render.main(["--check", "--root", str(root)]) == 2
+    assert "record 'fsdp-memory' has no column 'speed'" in capsys.readouterr().err
+    (root / "docs" / "extra.md").write_text("<!-- record: fsdp-memory -->\n")
+    assert render.main(["--check", "--root", str(root)]) == 2
+    assert "extra.md line 1: the record block has no closing <!-- /record -->" in capsys.readouterr().err
+
+
+def test_a_table_states_its_machine_date_and_command():
+    loaded = record.load("serving-minilm")
+    lines = render.render_table(loaded, {})
+    assert lines[0].startswith("| method |") and len([line for line in lines if line.startswith("|")]) == 6
+    assert "0.991 ± 0.025" in lines[5]
+    caption = lines[-1]
+    assert loaded["date"] in caption and "AMD EPYC, 2 cores" in caption and loaded["command"] in caption
+    assert "torch 2.13.0+cpu" in caption and "benchmarks/results/serving-minilm.json" in caption
+
+
+def test_cells_read_as_the_columns_say():
+    assert render.format_cell({"value": 0.9, "error": 0.031}, ".3f") == "0.900 ± 0.031"
+    assert render.format_cell(None) == "" and render.format_cell("--ratio 4") == "`--ratio 4`"
+    assert render.format_cell("`--ratio 4`, then the recipe") == "`--ratio 4`, then the recipe"
+    assert render.format_cell("a | b") == "a \\| b"
+
+
+def test_a_new_record_states_this_machine_and_validates(tmp_path):
+    made = record.new_record("trial", "a trial", "python benchmarks/x.py", [("label", "model"), ("kept", "kept", ".3f")],
+                             [{"label": "--ratio 4", "kept": record.cell(0.9, 0.02)}])
+    assert made["machine"]["cores"] >= 1 and made["machine"]["cpu"] and made["versions"]["torch"]
+    written = record.write(made, tmp_path)
+    assert json.loads(written.read_text())["rows"][0]["kept"] == {"value": 0.9, "error": 0.02}
+    assert record.cell(0.9, float("nan")) == 0.9  # no error could be computed: the figure alone
+    with pytest.raises(record.RecordError, match="row 1 has no 'kept'"):
+        record.validate({**made, "rows": [{"label": "x"}]}, "trial")
+    with pytest.raises(record.RecordError, match="'date' should read YYYY-MM-DD"):
+        record.validate({**made, "date": "yesterday"}, "trial")
+
+
+def test_the_quality_script_turns_a_frontier_into_rows():
+    quality = script("quality")
+    frontier = {"dense_bytes": 4 * 2 ** 20, "domains": ["english", "man"], "notes": [], "points": [
+        {"label": "/w/ratio-4", "kind": "comera", "bytes": 2 ** 20, "kept": {"english": 0.9, "man": 0.8},
+         "kept_error": {"english": 0.03, "man": float("nan")}, "mean_kept": 0.85, "mean_kept_error": 0.02},
+        {"label": "int8, a scale per row", "kind": "peer", "bytes": 2 ** 20, "kept": {"english": 1.0, "man": 1.0},
+         "kept_error": {"english": 0.0, "man": 0.0}, "mean_kept": 1.0, "mean_kept_error": 0.0}]}
+    rows = quality.rows_of(frontier, {"/w/ratio-4": "--ratio 4"}, {"/w/ratio-4": 61.4})
+    assert rows[0] == {"label": "--ratio 4", "kind": "comera", "mib": 1.0, "fewer": 4.0,
+                       "english": {"value": 0.9, "error": 0.03}, "man": 0.8,
+                       "mean": {"value": 0.85, "error": 0.02}, "seconds": 61}
+    assert rows[1]["label"] == "int8, a scale per row (peer)" and rows[1]["seconds"] is None
+    assert [key for key, *_ in quality.columns_of(frontier["domains"])] == [
+        "label", "mib", "fewer", "english", "man", "mean", "seconds"]
+
+
+def test_the_bench_script_keeps_each_share_with_its_error():
+    bench = script("bench")
+    row = {"case": "inference", "method": "comera int8 compute", "device": "cpu", "dtype": "float32",
+           "shape": "400 texts", "sentences_per_s": 163.1, "speed_vs_dense": 3.3, "ranks": [1, 2],
+           "recall_kept": {"english": 0.991, "man": 0.956}, "recall_kept_error": {"english": 0.025, "man": 0.02}}
+    cells = bench.flatten(row)
+    assert cells == {"method": "comera int8 compute", "shape": "400 texts", "sentences_per_s": 163.1,
+                     "speed_vs_dense": 3.3, "ranks": "1,2", "kept_english": {"value": 0.991, "error": 0.025},
+                     "kept_man": {"value": 0.956, "error": 0.02}}
+    assert ("kept_man", "man kept", ".3f") in bench.columns_of([cells])
