@@ -27,7 +27,8 @@ EXPORTS = {
     "train": "training", "TrainOptions": "training", "evaluate": "evaluation",
     "ConvertOptions": "conversion", "ConversionReport": "conversion", "Calibration": "conversion",
     "ComeraError": "errors",
-    "TTLinear": "layers", "TTEmbedding": "layers", "CodebookEmbedding": "layers", "TTModule": "layers", "TiedTTHead": "layers",
+    "TTLinear": "layers", "TTEmbedding": "layers", "CodebookEmbedding": "layers", "TTModule": "layers",
+    "TiedTTHead": "layers",
     "use_int8_compute": "layers", "Int8Linear": "layers",
     "lora_config": "hf.lora", "load_lora": "hf.lora",  # need peft
 }

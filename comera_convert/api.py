@@ -72,7 +72,7 @@ def convert_checkpoint(model_name: str, out, options: ConvertOptions | None = No
     ``default_calibration``: the data to calibrate on when ``options`` names none (`comera convert`
     passes ``english+python-stdlib``); a model without a tokenizer then converts by plain TT-SVD, as
     the result's ``notes`` say. Data named in ``options`` needs the tokenizer. ``command``: the command
-    line that asked for it, recorded in the report and the model card. ``task`` picks the head
+    line that requested it, recorded in the report and the model card. ``task`` picks the head
     (``TASK_CLASSES``); by default the recorded architecture, or the encoder alone (AutoModel) for a
     sentence-transformers folder, as sentence-transformers loads it. ``progress`` hears of each
     stage (loading, calibrating, each module converted, saving). ``max_shard_size`` splits the

@@ -30,7 +30,7 @@ MAX_QUERY_CHARS = 300
 MIN_DOCUMENT_CHARS = 80  # the rest must still be a passage, not a closing remark
 SENTENCE_END = re.compile(r"[.!?:](?=\s)")
 EMBED_BATCH = 64  # texts per forward pass: bounds memory on long domains
-PASSAGES_PER_PAIR = 8  # passages read per pair asked for (many have no first sentence that splits off)
+PASSAGES_PER_PAIR = 8  # passages read per pair requested (many have no first sentence that splits off)
 
 
 def split_first_sentence(text: str) -> tuple[str, str] | None:
@@ -89,7 +89,7 @@ def read_pairs(path: str | Path, count: int) -> list[tuple[str, str]]:
         pairs.append(pair)
         if len(pairs) == count:
             return pairs
-    raise ConfigError(f"--pairs {path}: {len(pairs)} pairs, fewer than the {count} asked for "
+    raise ConfigError(f"--pairs {path}: {len(pairs)} pairs, fewer than the {count} requested "
                       f"(--texts {count}; pass --texts {len(pairs)} or fewer)")
 
 
@@ -103,7 +103,8 @@ def _parse_pair(line: str, where: str) -> tuple[str, str]:
         raise ConfigError(f"{where}: {expected(want, record)}")
     missing = [f for f in ("query", "document") if not isinstance(record.get(f), str) or not record[f].strip()]
     if missing:
-        raise ConfigError(f"{where}: {expected(want, f'no {missing[0]!r} string in an object with keys {sorted(record)}')}")
+        found = f"no {missing[0]!r} string in an object with keys {sorted(record)}"
+        raise ConfigError(f"{where}: {expected(want, found)}")
     return record["query"], record["document"]
 
 
@@ -152,7 +153,7 @@ def share_error(found: torch.Tensor, dense_found: torch.Tensor) -> float:
     """The standard error of the share of dense recall@1 kept, found.mean() / dense_found.mean(),
     over the same queries (the delta method for a ratio of paired means): what the queries on which
     the two models disagree leave uncertain; 0 where they agree on every query. On 400 english pairs
-    right after conversion about 0.03 (BENCHMARKS.md, Long texts right after conversion)."""
+    right after conversion about 0.03 (docs/findings.md)."""
     found, dense_found = found.double(), dense_found.double()
     if found.numel() < 2:
         return float("nan")

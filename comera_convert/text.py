@@ -13,7 +13,7 @@ Two corpora ship with the package and need no network:
 
 and one training mix of them, ``english+python-stdlib``: english's training passages, each followed
 by a piece of about 180 words of the standard library's training files until the pieces run out (a
-broader text to distill on than prose alone; BENCHMARKS.md, Recovery in CPU minutes). Built from the
+broader text to distill on than prose alone; docs/findings.md). Built from the
 two corpora's training documents only, so their held-out splits stay unread; the mix's own every-20th
 document is its held-out split, as for any source.
 
@@ -87,7 +87,7 @@ def check_source(source: str) -> None:
     if _reads_as_a_path(source):
         raise SourceError(f"{source}: no such file or directory")
     close = difflib.get_close_matches(source, BUILTIN_SOURCES, n=1, cutoff=0.7)
-    if close:  # a typo, refused before a dataset hub is asked for it
+    if close:  # a typo, refused before a dataset hub is queried for it
         raise SourceError(f"{source!r} is not a built-in corpus (they are {', '.join(BUILTIN_SOURCES)}); "
                           f"did you mean {close[0]!r}?")
 
@@ -354,7 +354,7 @@ def _check_encodable(source: str, unknown_share: float) -> None:
 
 
 # The built-in corpora are fixed text, so their training documents' token ids are kept for the two
-# tokenizers a process met last (int32, tens of MB): a process that calibrates more than once (the
+# tokenizers a process saw last (int32, tens of MB): a process that calibrates more than once (the
 # API converting several models, the test suite) tokenizes each corpus once, not every time.
 _KEPT_IDS: dict[tuple[str, str], list[torch.Tensor]] = {}
 KEPT_TOKENIZERS = 2

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 import comera_convert
 from comera_convert.models import load_model
 
-SENTENCES = ["Tensor trains make models small.", "The weather is lovely today.", "def add(a, b): return a + b",
+SENTENCES = ["Tensor trains make models small.", "The weather is lovely in spring.", "def add(a, b): return a + b",
              "A cat sat on the mat.", "Continued pre-training recovers what compression loses."]
 
 

@@ -96,7 +96,8 @@ def test_chosen_variants_bring_their_dense_baselines():
         "dense AdamW", "dense AdamW + checkpointing", "TT comera r30 + checkpointing"]
     assert chosen_variants("cuda", ["TT --ratio 4 + CUDA graph"]) == [
         "dense AdamW", "dense AdamW + CUDA graph", "TT --ratio 4 + CUDA graph"]
-    with pytest.raises(ConfigError, match=r"among 'dense AdamW', .*'TT r30, tt embedding'.* \(got 'TT --ratio 4 \+ CUDA graph'\)"):
+    with pytest.raises(ConfigError,
+                       match=r"among 'dense AdamW', .*'TT r30, tt embedding'.* \(got 'TT --ratio 4 \+ CUDA graph'\)"):
         chosen_variants("cpu", ["TT --ratio 4 + CUDA graph"])  # graphs are CUDA-only
     # Compiled variants are graphed too, and are compared with dense compiled and graphed.
     assert chosen_variants("cuda", ["TT --ratio 8, ranks of 8 + compile + CUDA graph"]) == [

@@ -46,7 +46,8 @@ def test_help_loads_neither_torch_nor_transformers():
     import sys
 
     script = ("import sys; from click.testing import CliRunner; from comera_convert.cli import main; "
-              "codes = [CliRunner().invoke(main, [*c, '--help']).exit_code for c in [[], *[[n] for n in main.commands]]]; "
+              "codes = [CliRunner().invoke(main, [*c, '--help']).exit_code "
+              "for c in [[], *[[n] for n in main.commands]]]; "
               "print(set(codes), [m for m in ('torch', 'transformers') if m in sys.modules])")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "{0} []", done.stdout + done.stderr[-2000:]
@@ -184,7 +185,7 @@ def test_convert_keeps_the_last_attention_output_dense_unless_asked(dense_dir, t
 def _one_line_error(result, *fragments):
     assert result.exit_code != 0
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    lines = [l for l in result.output.strip().splitlines() if l.strip()]
+    lines = [line for line in result.output.strip().splitlines() if line.strip()]
     assert len(lines) == 1, result.output
     assert lines[0].startswith("error:") or lines[0].startswith("Usage:") or "Error" in lines[0]
     for fragment in fragments:
@@ -207,7 +208,8 @@ def test_bad_input_is_one_line_and_non_zero(dense_dir, tmp_path):
         (["convert", dense_dir, "--targets", "nothing", "--out", tmp_path / "o6"], ["matches no Linear"]),
         (["convert", dense_dir, "--out", a_file], ["is a file"]),
         (["report", tmp_path / "no-such-model"], ["no-such-model"]),
-        (["convert", dense_dir, "--calibration", "python-stdlib", "--out", tmp_path / "o7"], ["needs the model's tokenizer", "no tokenizer files"]),
+        (["convert", dense_dir, "--calibration", "python-stdlib", "--out", tmp_path / "o7"],
+         ["needs the model's tokenizer", "no tokenizer files"]),
         (["convert", dense_dir, "--allocation", "sensitivity", "--out", tmp_path / "o8"],
          ["needs calibration data"]),
         (["convert", dense_dir, "--calibration", "python-stdlib", "--calibration-sequences", "0",
@@ -412,6 +414,7 @@ def test_convert_with_pruned_feed_forward_pairs(dense_dir, tmp_path):
     stored = run("convert", dense_dir, "--rank", "8", "--ffn", "prune", "--dtype", "int8", "--calibration", texts,
                  "--calibration-sequences", "16", "--out", tmp_path / "int8")
     assert stored.exit_code == 0, stored.output
-    assert json.loads((tmp_path / "int8" / "config.json").read_text())["quantization_config"]["storage"]["format"] == "int8"
+    config = json.loads((tmp_path / "int8" / "config.json").read_text())
+    assert config["quantization_config"]["storage"]["format"] == "int8"
     _one_line_error(run("convert", dense_dir, "--ratio", "2", "--ffn", "prune", "--no-calibration",
                         "--out", tmp_path / "uncalibrated"), "--ffn prune refits each pruned feed-forward pair")

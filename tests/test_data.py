@@ -79,7 +79,8 @@ def test_a_source_that_cannot_be_read_is_named_by_the_option_that_gave_it(tmp_pa
             read_for("--calibration"):
         list(documents(str(binary)))
     assert "--data" not in str(caught.value)
-    with pytest.raises(ConfigError, match="^--calibration 'englsh' is not a built-in corpus"), read_for("--calibration"):
+    with (pytest.raises(ConfigError, match="^--calibration 'englsh' is not a built-in corpus"),
+          read_for("--calibration")):
         list(documents("englsh"))
 
 

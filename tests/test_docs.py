@@ -64,7 +64,8 @@ def test_the_comment_check_finds_figures(tmp_path):
 
 def test_every_link_into_benchmarks_names_a_section():
     anchors = github_anchors((REPO / "BENCHMARKS.md").read_text())
-    files = [*ROOT.rglob("*.py"), REPO / "README.md", *(REPO / "docs").rglob("*.md"), *(REPO / "recipes").glob("*")]
+    files = [*ROOT.rglob("*.py"), REPO / "README.md", *(REPO / "docs").rglob("*.md"),
+             *(ROOT / "recipes").glob("*.yaml")]
     broken = sorted(f"{path.relative_to(REPO)}: {anchor}" for path in files if path.is_file()
                     for anchor in BENCHMARK_LINK.findall(path.read_text()) if anchor not in anchors)
     assert not broken, broken
@@ -114,3 +115,93 @@ def test_the_docs_hook_names_public_objects_without_a_docstring(tmp_path, monkey
     assert hook.undocumented("sample_pkg.api.documented") == []
     assert hook.undocumented("sample_pkg.api") == ["sample_pkg.api.bare"]
     assert hook.undocumented("sample_pkg.api.Thing") == ["sample_pkg.api.Thing.method"]
+
+
+# Words of how the project is worked on, not of what it does: a reader cannot tell which figures
+# describe the code in front of them. Dates and versions say when instead.
+PROCESS_WORDS = re.compile(r"\bsessions? \d+|(?<![\w&/#])#\d+\b|\btoday's|\btoday\b|\buntil now\b|\basked\b"
+                           r"|\bmet\b|\bthe target\b(?! ratio)", re.IGNORECASE)
+PROSE_SUFFIXES = (".py", ".md", ".yaml", ".yml", ".toml", ".cfg", ".sh", ".json")
+
+
+def project_files() -> list[Path]:
+    """What users and contributors read: the front page, docs, benchmarks and their records, the
+    changelog, examples, tools and the package itself."""
+    files = [REPO / name for name in ("README.md", "BENCHMARKS.md", "CHANGELOG.md", "CONTRIBUTING.md",
+                                      "ARCHITECTURE.md", "pyproject.toml", "setup.cfg", "mkdocs.yml")]
+    for folder in ("docs", "examples", "benchmarks", "tools", "comera_convert", ".ci"):
+        files += [path for path in (REPO / folder).rglob("*") if path.suffix in PROSE_SUFFIXES or
+                  (folder == ".ci" and path.is_file())]
+    return [path for path in files if path.is_file()]
+
+
+def process_words(paths: list[Path]) -> list[str]:
+    found = []
+    for path in paths:
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            for match in PROCESS_WORDS.finditer(line):
+                found.append(f"{path.relative_to(REPO) if path.is_relative_to(REPO) else path}:{number}: "
+                             f"{match.group(0)!r}")
+    return found
+
+
+def test_no_process_words_in_the_project():
+    assert not process_words(project_files()), process_words(project_files())
+
+
+def test_the_process_word_check_finds_them(tmp_path):
+    (tmp_path / "a.md").write_text("Measured in session 12 (#64's target): met.\nThe target ratio holds.\n"
+                                   "`comera train --target-ratio 4` reaches the target ratio; today's defaults.\n"
+                                   "[link](#anchor-64) and &#8212; stay.\n")
+    found = process_words([tmp_path / "a.md"])
+    assert [entry.split(": ", 1)[1] for entry in found] == ["'session 12'", "'#64'", "'met'", "\"today's\""]
+
+
+TORCH_RANGE = re.compile(r"torch\s*((?:[<>!~]=?|==)\s*[\d.]+(?:\s*,\s*(?:[<>!~]=?|==)\s*[\d.]+)*)")
+
+
+def declared_torch() -> str:
+    import tomllib
+
+    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    return next(dep.removeprefix("torch").replace(" ", "") for dep in dependencies if dep.startswith("torch"))
+
+
+def test_the_torch_range_is_stated_as_pyproject_declares_it():
+    """Every range of torch the documentation states is the declared one; a pinned torch (the test
+    command's CPU build) lies inside it."""
+    from packaging.specifiers import SpecifierSet
+
+    declared = declared_torch()
+    documents = [REPO / "README.md", REPO / "CONTRIBUTING.md", *(REPO / "docs").glob("*.md"), REPO / ".ci" / "run",
+                 *(REPO / "tools").glob("*.sh")]
+    stated = [(path.name, match.group(1).strip().rstrip(",").replace(" ", "")) for path in documents
+              for match in TORCH_RANGE.finditer(path.read_text())]
+    assert stated, "the documentation states no torch requirement"
+    for name, spec in stated:
+        if spec.startswith("=="):
+            assert spec[2:] in SpecifierSet(declared), f"{name} pins torch {spec}, outside {declared}"
+        else:
+            assert spec == declared, f"{name} states torch{spec}; pyproject.toml declares torch{declared}"
+
+
+def test_the_changelog_has_a_short_release_section():
+    text = (REPO / "CHANGELOG.md").read_text()
+    from comera_convert import __version__
+
+    sections = re.split(r"^## ", text, flags=re.MULTILINE)
+    unreleased = next(s for s in sections if s.startswith("[Unreleased]"))
+    release = next(s for s in sections if s.startswith(f"[{__version__}]"))
+    assert re.match(rf"\[{re.escape(__version__)}\] - \d{{4}}-\d{{2}}-\d{{2}}", release)
+    assert len(release.splitlines()) <= 80
+    assert text.index("## [Unreleased]") < text.index(f"## [{__version__}]")
+    assert not [line for line in unreleased.splitlines() if line.startswith("- ") and len(line) > 120]
+
+
+def test_the_line_width_is_the_linters():
+    import tomllib
+
+    ruff = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["ruff"]
+    contributing = (REPO / "CONTRIBUTING.md").read_text()
+    assert f"{ruff['line-length']} columns" in contributing
+    assert "flake8" not in (REPO / "setup.cfg").read_text()

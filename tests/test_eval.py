@@ -117,7 +117,8 @@ def test_retrieval_is_scored_per_domain_and_on_a_pair_file(tmp_path):
             batch = tokenizer(list(texts), padding=True, return_tensors="pt")
             mask = batch["attention_mask"].unsqueeze(-1).float()
             with torch.no_grad():
-                pooled.append(torch.nn.functional.normalize((model(**batch).last_hidden_state * mask).sum(1) / mask.sum(1)))
+                summed = (model(**batch).last_hidden_state * mask).sum(1)
+                pooled.append(torch.nn.functional.normalize(summed / mask.sum(1)))
         return float(((pooled[0] @ pooled[1].T).argmax(1) == torch.arange(len(queries))).float().mean())
 
     compressed = comera_convert.from_pretrained(path).eval()
@@ -140,7 +141,8 @@ def test_dense_puts_the_matched_modules_back_and_scores_what_is_left(tmp_path):
     linears = evaluate(str(path), texts=16, dense=["word_embeddings"])
     assert linears["restored_dense"] == ["embeddings.word_embeddings"]
     assert whole["mean_cosine"] < linears["domains"]["english"]["mean_cosine"] < 0.9999
-    with pytest.raises(ConfigError, match=r"expected --dense patterns matching compressed modules .*\(got 'LayerNorm'\)"):
+    with pytest.raises(ConfigError,
+                       match=r"expected --dense patterns matching compressed modules .*\(got 'LayerNorm'\)"):
         evaluate(str(path), texts=16, dense=["LayerNorm"])  # never converted: nothing to put back
     with pytest.raises(ConfigError, match="--dense with --baselines"):
         evaluate(str(path), texts=16, dense=["word_embeddings"], baselines=True)
@@ -180,7 +182,8 @@ def test_baselines_are_measured_on_the_same_domains(tmp_path, corpus):
     assert dense / 2 == sizes["bfloat16 storage"]["bytes"]
     assert dense / 4.2 < sizes["int8, a scale per row"]["bytes"] < dense / 3.5
     order = ["int8, a scale per row", "HQQ 4-bit, groups of 64", "HQQ 3-bit, groups of 64", "HQQ 2-bit, groups of 32"]
-    assert [sizes[label]["bytes"] for label in order] == sorted((sizes[label]["bytes"] for label in order), reverse=True)
+    stored = [sizes[label]["bytes"] for label in order]
+    assert stored == sorted(stored, reverse=True)
     cosine = {label: min(d["mean_cosine"] for d in metrics["baselines"][label].values())
               for label in rounded}
     for label in ("bfloat16 storage", "int8, a scale per row"):  # rounding to 8 or more bits keeps the model

@@ -171,7 +171,8 @@ def test_bench_compile_without_a_cpp_compiler_is_refused_in_one_line(tmp_path, m
 def test_bench_checkpoint_options_refuse_what_does_not_go_together(tmp_path):
     runner = CliRunner()
     result = runner.invoke(main, ["bench", "layer", "--checkpoint", str(tmp_path), "--quick"])
-    assert result.exit_code == 1 and "--checkpoint measures the inference case, and the cases are layer" in result.output
+    assert result.exit_code == 1
+    assert "--checkpoint measures the inference case, and the cases are layer" in result.output
     result = runner.invoke(main, ["bench", "inference", "--reference", "x", "--quick"])
     assert result.exit_code == 1 and "--reference, --pairs and --compile go with --checkpoint" in result.output
     result = runner.invoke(main, ["bench", "inference", "--compile", "--quick"])

@@ -70,11 +70,12 @@ def test_a_pair_file_is_read_in_order(tmp_path):
     ([pair("q1", "d1"), json.dumps({"query": "q2"})],
      "line 2: expected a JSON object with \"query\" and \"document\" strings (got \"no 'document' string"),
     ([pair("q1", "d1"), json.dumps({"query": "q2", "document": 7})], "line 2: expected a JSON object"),
-    ([pair("q1", "d1"), "not json"], "line 2: expected a JSON object with \"query\" and \"document\" strings (got 'not json')"),
+    ([pair("q1", "d1"), "not json"],
+     "line 2: expected a JSON object with \"query\" and \"document\" strings (got 'not json')"),
     ([pair("q1", "d1"), "[1, 2]"], "line 2: expected a JSON object"),
     ([pair("q1", "d1"), pair("q1", "d2")], "line 2: the same query as line 1"),
     ([pair("q1", "d1"), pair("q2", "d1")], "line 2: the same document as line 1"),
-    ([pair("q1", "d1"), pair("q2", "d2")], "2 pairs, fewer than the 3 asked for (--texts 3; pass --texts 2 or fewer)"),
+    ([pair("q1", "d1"), pair("q2", "d2")], "2 pairs, fewer than the 3 requested (--texts 3; pass --texts 2 or fewer)"),
 ])
 def test_bad_pair_files_are_one_line_errors(tmp_path, lines, message):
     path = write_lines(tmp_path / "p.jsonl", lines)

@@ -303,7 +303,7 @@ class TrainingOutputDtypes(TrainerCallback):
 
 
 def test_bf16_distillation_on_cpu_computes_in_bf16_and_keeps_float32_weights(tmp_path, tokenizer, corpus):
-    """As recipes/train-minilm-distill.yaml runs on a CPU: autocast GEMMs, float32 master weights,
+    """As the train-minilm-distill recipe runs on a CPU: autocast GEMMs, float32 master weights,
     eager attention while it trains; the trained checkpoint loads with the default attention."""
     path = compressed(tmp_path, tokenizer, ratio=2)
     loaded_with = comera_convert.from_pretrained(path).config._attn_implementation
@@ -373,7 +373,8 @@ def test_bf16_is_on_by_default_only_where_the_cpu_multiplies_it_natively(monkeyp
 
 
 @pytest.mark.parametrize("probes", [{}, {"_is_amx_tile_supported": lambda: True},
-                                    {"_is_avx512_bf16_supported": lambda: False, "_is_amx_tile_supported": lambda: False}])
+                                    {"_is_avx512_bf16_supported": lambda: False,
+                                     "_is_amx_tile_supported": lambda: False}])
 def test_native_bf16_is_read_from_the_probes_a_torch_has(monkeypatch, probes):
     """torch 2.4 has neither probe: the CPU counts as emulating bf16 and the default stays float32."""
     from comera_convert.training import run
@@ -786,7 +787,8 @@ def _resume_supported() -> bool:
     return True
 
 
-@pytest.mark.skipif(not _resume_supported(), reason="transformers reads optimizer states with torch.load only on torch >= 2.6")
+@pytest.mark.skipif(not _resume_supported(),
+                    reason="transformers reads optimizer states with torch.load only on torch >= 2.6")
 @pytest.mark.parametrize("target", [None, 4.0, pytest.param("beyond the gates", marks=pytest.mark.slow)])
 def test_resume_continues_exactly(tmp_path, tokenizer, corpus, target):
     path = compressed(tmp_path, tokenizer, ratio=2)
@@ -1132,7 +1134,8 @@ def _timed_controller(tmp_path, tokenizer, spent_seconds: float):
     from comera_convert.training.wall_clock import WallClock
 
     path = compressed(tmp_path, tokenizer, ratio=2)
-    options = TrainOptions(steps=1000, minutes=1, target_ratio=4.0, early_steps=666, budget_share=0.75).for_objective("mlm")
+    options = TrainOptions(steps=1000, minutes=1, target_ratio=4.0, early_steps=666,
+                           budget_share=0.75).for_objective("mlm")
     controller = RankController(comera_convert.from_pretrained(path), options, _dense_params(path))
     controller.clock = WallClock(options.minutes)
     controller.clock.already = spent_seconds
@@ -1209,7 +1212,7 @@ def test_with_minutes_too_short_for_the_late_stage_a_warning_says_so(tmp_path, t
     assert controller.short_late_stage(100) is None  # 0.45 s a step: 33 steps left
     controller.clock.already = 50
     assert re.fullmatch(r"--minutes 1 leaves about 4 steps for the late stage to compress from 2\.\d\dx to 4x "
-                        r"\(at 2\.50 s a step\): the target may be missed; give more --minutes or fewer "
+                        r"\(at 2\.50 s a step\): the target ratio may be missed; give more --minutes or fewer "
                         r"--early-steps", controller.short_late_stage(20))
 
 
@@ -1313,7 +1316,8 @@ def test_unset_options_take_their_objectives_defaults_and_set_ones_stay():
     assert (compressing.late_objective, compressing.budget_share, compressing.reproject) == ("task", 0.15, True)
     comera = TrainOptions(steps=300, target_ratio=4, early_steps=200, late_objective="min-max", budget_share=0.75,
                           reproject=False).for_objective("mlm")
-    assert (comera.early_steps, comera.late_objective, comera.budget_share, comera.reproject) == (200, "min-max", 0.75, False)
+    chosen = (comera.early_steps, comera.late_objective, comera.budget_share, comera.reproject)
+    assert chosen == (200, "min-max", 0.75, False)
     uncut = TrainOptions(steps=300, target_ratio=4, cut_ranks=False).for_objective("mlm")
     assert uncut.reproject is False  # re-projection rewrites the pairs at the cuts
     assert (mlm.late_objective, mlm.budget_share, mlm.reproject) == (None, None, False)
@@ -1395,8 +1399,10 @@ def test_reprojection_keeps_the_scale_of_adamw_steps():
     feature_scale, steps = second.mean(dim=2), optimizer.state[core]["step"].clone()
     assert reproject_pair_(layer, x.T @ x) is not None
     rescale_pair_moments(optimizer, layer)
-    assert torch.count_nonzero(optimizer.state[core]["exp_avg"]) == 0 and torch.equal(optimizer.state[core]["step"], steps)
-    assert torch.allclose(second.mean(dim=2), feature_scale) and torch.allclose(second, second[..., :1].expand_as(second))
+    assert torch.count_nonzero(optimizer.state[core]["exp_avg"]) == 0
+    assert torch.equal(optimizer.state[core]["step"], steps)
+    assert torch.allclose(second.mean(dim=2), feature_scale)
+    assert torch.allclose(second, second[..., :1].expand_as(second))
     before = [c.detach().clone() for c in layer.cores]
     step()
     moved = torch.cat([(c.detach() - b).abs().flatten() for c, b in zip(layer.cores, before)])
@@ -1445,8 +1451,10 @@ def test_reprojection_without_a_target_or_without_cuts_is_refused(options):
 
 
 @pytest.mark.parametrize("options,message", [
-    (dict(target_ratio=4.0, reproject=False, reproject_at="cuts"), "--reproject-at cuts says when --reproject rewrites the pairs"),
-    (dict(target_ratio=4.0, reproject=True, reproject_at="always"), r"reproject_at in \('switch', 'cuts'\) \(got 'always'\)"),
+    (dict(target_ratio=4.0, reproject=False, reproject_at="cuts"),
+     "--reproject-at cuts says when --reproject rewrites the pairs"),
+    (dict(target_ratio=4.0, reproject=True, reproject_at="always"),
+     r"reproject_at in \('switch', 'cuts'\) \(got 'always'\)"),
     (dict(target_ratio=4.0, budget_share=0), r"budget_share in \(0, 1\] \(got 0\)"),
     (dict(target_ratio=4.0, late_objective="size"), r"late_objective in \('min-max', 'task'\) \(got 'size'\)"),
     (dict(target_ratio=4.0, budget_share=1.5), r"budget_share in \(0, 1\] \(got 1.5\)"),
@@ -1504,7 +1512,8 @@ def test_resume_on_a_torch_whose_optimizer_state_transformers_will_not_read_is_o
     options = TrainOptions(objective="mlm", data=str(corpus), **FAST)
     train(str(path), options, tmp_path / "out", callbacks=[StopAt(6)])
     monkeypatch.setattr(import_utils, "check_torch_load_is_safe", refuse)
-    with pytest.raises(ConfigError, match=rf"--resume needs torch 2.6 or later: .*this one is {re.escape(torch.__version__)}"):
+    with pytest.raises(ConfigError,
+                       match=rf"--resume needs torch 2.6 or later: .*this one is {re.escape(torch.__version__)}"):
         train(str(path), options, tmp_path / "out", resume=True)
 
 

@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 # What the docs extra installs, by the module each provides.
-DOCS_MODULES = {"mkdocs": "mkdocs", "material": "mkdocs-material", "mkdocstrings_handlers.python": "mkdocstrings[python]",
+DOCS_MODULES = {"mkdocs": "mkdocs", "material": "mkdocs-material",
+                "mkdocstrings_handlers.python": "mkdocstrings[python]",
                 "mkdocs_click": "mkdocs-click"}
 
 

@@ -41,7 +41,9 @@ def main() -> None:
     from transformers import AutoModel
 
     torch.manual_seed(0)
-    teacher = None if args.no_teacher else AutoModel.from_pretrained(resolve(read_report(args.checkpoints[0]).source)).eval()
+    teacher = None
+    if not args.no_teacher:
+        teacher = AutoModel.from_pretrained(resolve(read_report(args.checkpoints[0]).source)).eval()
     students = {path: comera_convert.from_pretrained(path).train() for path in args.checkpoints}
     optimizers = {path: torch.optim.AdamW(m.parameters(), lr=1e-5, fused=True) for path, m in students.items()}
     ids = torch.randint(1000, 29000, (8, 128))

@@ -106,7 +106,7 @@ def embedding_case(device: str, dtype: torch.dtype, quick: bool, repeats: int) -
     batch = 4 if quick else 32
     ids = torch.randint(0, vocab, (batch, 128), device=device)
     dense = nn.Embedding(vocab, dim, device=device, dtype=dtype)
-    # Inference lookups (eval mode, autograd off), as the table in BENCHMARKS.md measures them.
+    # Inference lookups (eval mode, autograd off), as `comera bench embedding` measures them.
     tt = TTEmbedding.from_embedding(dense, rank=COMERA_RANK, layout="ttm").eval()  # ttm, as CoMERA
     tt_layout = TTEmbedding.from_embedding(dense, rank=COMERA_RANK, layout="tt").eval()  # the converter's default
 

@@ -16,12 +16,11 @@ from pathlib import Path
 
 import torch
 
-from ..choices import TRAIN_MODELS
 from ..errors import ConfigError, expected
 from .timing import PeakMemory, graphed, median_seconds
 
 # The TT variants' conversions: CoMERA's configuration (every linear tt at ranks 30, embeddings
-# ttm at rank 30, as recipes/comera-rank30.yaml), the same ranks with the converter's tt
+# ttm at rank 30, as the comera-rank30 recipe), the same ranks with the converter's tt
 # embeddings (whose tied head runs through the halves), and a default `--ratio 4` conversion.
 # On CUDA also `--ratio 4 --rank-multiple 8`: ranks GPU tensor cores take whole (bf16 GEMMs).
 TT_CONVERSIONS = {"TT comera r30": {"rank": 30, "embedding_layout": "ttm"},

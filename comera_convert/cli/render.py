@@ -202,7 +202,8 @@ def compare_table(infos, width: int) -> Table:
     rows = {"model": [i.name for i in infos], "type": [i.model_type for i in infos],
             "compressed": ["yes" if i.compressed else "no" for i in infos],
             "parameters": [f"{i.params:,}" for i in infos],
-            f"ratio vs {Path(base.name.rstrip('/')).name or base.name}": [f"{base.params / max(i.params, 1):.2f}x" for i in infos],
+            f"ratio vs {Path(base.name.rstrip('/')).name or base.name}": [f"{base.params / max(i.params, 1):.2f}x"
+                                                                          for i in infos],
             "on disk": [human_bytes(i.disk_bytes) for i in infos],
             "smaller on disk": [f"{base.disk_bytes / max(i.disk_bytes, 1):.2f}x" for i in infos],
             "converted modules": [str(len(i.report.modules)) if i.report else "-" for i in infos]}

@@ -114,7 +114,7 @@ def allocate_ranks(candidates: list[Candidate], total_params: int, ratio: float,
 def _fill_towards(candidates, specs, next_specs, total_params: int, ratio: float,
                   choice: LayoutChoice) -> list[TTSpec]:
     """Raise single layers to their ``next_specs`` (the next shared rank; largest first) while the
-    model still meets the ratio, so the achieved ratio lands as close above the target as one
+    model still meets the ratio, so the achieved ratio lands as close above the target ratio as one
     rank step allows."""
     specs = list(specs)
     budget = total_params / ratio - model_params_with(candidates, specs, total_params, choice)

@@ -28,7 +28,7 @@ logger = logging.getLogger("comera_convert")
 
 # What `comera convert` calibrates on unless told: english passages interleaved with pieces of the
 # standard library (their training splits). It keeps more than english alone on text the project
-# never reads; code alone loses prose. BENCHMARKS.md#calibration-text-and-reconstruction-steps-session-39
+# never reads; code alone loses prose. docs/findings.md
 DEFAULT_CALIBRATION = "english+python-stdlib"
 DEFAULT_SEQUENCES = 128  # a few hundred sequences is what activation-aware SVD methods use
 DEFAULT_SEQ_LEN = 128
@@ -45,7 +45,7 @@ COUNTED_TOKENS = 4_000_000
 UNSEEN_TOKEN_PRIOR = 1.0
 # Embedding rows are weighted by (occurrences + prior) ** (TOKEN_WEIGHT_POWER / 2): 1 fits the text
 # read, 0 treats every row alike; tempered counts spread the fit over the tokens other text uses.
-# BENCHMARKS.md#quality-across-domains-out-of-domain
+# docs/findings.md
 TOKEN_WEIGHT_POWER = 0.5
 
 
@@ -87,7 +87,7 @@ class Calibration:
         """S with S^T S = the layer's input Gram (damped, with a warning, when singular), or None
         without statistics. Computed once per layer. (Damping every Gram by 0.1 of its mean
         diagonal, so that directions the calibration text barely excited keep weight, was measured
-        and changed nothing out of domain: BENCHMARKS.md, Quality across domains.)"""
+        and changed nothing out of domain: docs/findings.md.)"""
         if name not in self._factors:
             gram = self.grams.get(name)
             if gram is None:

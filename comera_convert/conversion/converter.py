@@ -58,7 +58,7 @@ def convert_modules(model: nn.Module, options: ConvertOptions, calibration: Cali
     ``comera_convert.convert`` (the public verb), which calls this and then the hf layer.
     """
     if options.calibration is not None and calibration is None:
-        raise ConfigError(f"calibration {options.calibration!r} was asked for but no statistics were given: "
+        raise ConfigError(f"calibration {options.calibration!r} was requested but no statistics were given: "
                           f"pass calibration=calibrate(model, tokenizer, {options.calibration!r})")
     if any(isinstance(m, (TTModule, CodebookEmbedding)) for m in model.modules()):
         raise ConfigError("the model is already compressed: convert the dense model, "
@@ -73,7 +73,8 @@ def convert_modules(model: nn.Module, options: ConvertOptions, calibration: Cali
     for candidate, spec in zip(candidates, allocation.specs):
         if spec is None:
             skipped[candidate.name] = (f"TT at rank {allocation.shared_rank} would not be smaller"
-                                       if allocation.shared_rank else f"kept dense by the {options.allocation} allocation")
+                                       if allocation.shared_rank
+                                       else f"kept dense by the {options.allocation} allocation")
     if options.ffn == "prune" and not options.chosen_by_default("ffn") and not ffn_pairs(candidates, allocation.specs):
         logger.warning("--ffn prune found no feed-forward pair to prune (a BERT-family block's intermediate.dense "
                        "-> output.dense, both compressed): the feed-forward layers are low-rank")

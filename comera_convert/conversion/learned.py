@@ -15,7 +15,7 @@ meets the ratio exactly, and the conversion (compensation, reconstruction) runs 
 uniform allocation. Which layers are learned is the strategy's choice (``strategies.learn_allocation``:
 every block's but the last).
 
-Measured at --ratio 4 (BENCHMARKS.md, A learned rank allocation): rank moves from the middle
+Measured at --ratio 4 (docs/findings.md): rank moves from the middle
 blocks' query and key projections to the first blocks' feed-forward layers, and the converted
 model keeps more cosine to the dense embeddings on every held-out domain (MiniLM +0.008 to +0.016,
 all-mpnet-base-v2 +0.013 to +0.030, with its mean recall@1 kept 0.845 against 0.772).
@@ -39,7 +39,7 @@ from .targets import Candidate
 
 # Adam steps, each on STEP_SEQUENCES sequences and a forward and backward pass of the model: what
 # LEARNING_STEP_BUDGET parameter-steps buy (MiniLM settles in 20-40; all-mpnet-base-v2 gets 40),
-# LEARNING_STEPS at most. BENCHMARKS.md#a-learned-rank-allocation---allocation-learned-session-46
+# LEARNING_STEPS at most. docs/findings.md
 LEARNING_STEPS = 100
 LEARNING_STEP_BUDGET = 40 * 110_000_000
 MIN_LEARNING_STEPS = 10

@@ -22,29 +22,29 @@ from .storage import check_storage
 # Modes per side: one (a whitened truncated SVD) with a codebook table and the tt layout, which keeps
 # as much or more at every cut measured and trains faster. A TT table and the ttm layout need modes:
 # three below TWO_MODES_FROM_RATIO, two from it, one from ONE_MODE_FROM_RATIO (tt). A fixed --rank
-# keeps CoMERA's three. BENCHMARKS.md#defaults-by-the-layers-cut-session-33
+# keeps CoMERA's three. docs/findings.md
 TWO_MODES_FROM_RATIO = 3.0
 ONE_MODE_FROM_RATIO = 4.0
 # Compensation (and reconstruction with it) pays wherever the layers are cut at all once the
 # calibration mixes english and code; with a TT table from --ratio 3.
-# BENCHMARKS.md#compensation-at-every-cut-and-integer-storage-at-todays-defaults-session-40
+# docs/findings.md
 COMPENSATE_ABOVE_CUT = 1.0  # strict: a model whose linears are too small to convert (cut 1.0) does not calibrate
 COMPENSATE_FROM_RATIO = 3.0
 # The options whose defaults depend on others (the ratio, the table, the model's cut): chosen
 # again when those change (``replace``, ``for_model``).
 DEPENDENT_DEFAULTS = ("d", "compensate", "reconstruct_steps", "ffn")
 # Reconstruction's Adam steps a block where it is on by default; more saturate (600 and 900 moved
-# cosine by 0.01 at most). BENCHMARKS.md#calibration-text-and-reconstruction-steps-session-39
+# cosine by 0.01 at most). docs/findings.md
 RECONSTRUCT_STEPS = 300
 # Its cost grows with the compressed block, so a block gets at most 100 steps of a 1.6 M-parameter
 # block's work (never under MIN_RECONSTRUCT_STEPS): a bert-base-shaped conversion stays near five
-# minutes on two cores. BENCHMARKS.md#calibration-text-and-reconstruction-steps-session-39
+# minutes on two cores. docs/findings.md
 RECONSTRUCTION_STEP_BUDGET = 100 * 1_600_000
 MIN_RECONSTRUCT_STEPS = 25
-# Calibration sequences where compensation is on and none were asked for: more text keeps more up
+# Calibration sequences where compensation is on and none were given: more text keeps more up
 # to 512 and flattens past it, and its passes cost tokens x parameters, so a model gets what this
 # many parameter-tokens buy (a bert-base 144, MiniLM 512, a 1.1 B Llama 128).
-# BENCHMARKS.md#more-calibration-text-and-the-codebook-centres-tuned-session-42
+# docs/findings.md
 CALIBRATION_PARAM_TOKENS = 144 * 128 * 110_000_000
 MAX_CALIBRATION_SEQUENCES = 512
 # Reconstruction holds out the last calibration batch and trains on the others.
@@ -80,7 +80,7 @@ def default_ffn(ratio: float | None, *, allocation: str, d: int, calibrated: boo
     ratio measured (MiniLM 2 to 8, all-mpnet-base-v2 2 to 8, float and integer); low-rank elsewhere:
     a fixed --rank (CoMERA's TT, for rank-adaptive training), the other allocations, TT modes, and an
     uncalibrated conversion, which cannot refit.
-    BENCHMARKS.md#feed-forward-pairs-pruned-by-neuron-by-default-and-reconstruction-retried-at-a-lower-rate-session-58"""
+    docs/findings.md"""
     prune = ratio is not None and allocation == "uniform" and d == 1 and calibrated
     return "prune" if prune else "low-rank"
 
@@ -106,7 +106,7 @@ class ConvertOptions:
     # tt (in modes, then out modes) for linears, as CoMERA. Embeddings are tt too, where CoMERA
     # uses ttm: a head tied to a tt table runs through its two halves instead of the whole table
     # (a faster step), and per parameter the tt table is the closer one.
-    # BENCHMARKS.md#train-step-a-full-step-of-a-bert-base-shaped-bertformaskedlm-comera-bench-train-step
+    # docs/speed.md
     layout: str = "tt"
     embedding_layout: str = "tt"
     # Modes per side: CoMERA splits 768 and 3072 into 3 modes each. 1 is a plain low-rank
@@ -160,28 +160,29 @@ class ConvertOptions:
     # Adam steps of the learned allocation (conversion/learned.py); None: by the model's size
     # (``learning_steps_for``).
     learning_steps: int | None = None
-    # The ranks --ratio chooses are multiples of this. 8 suits GPU tensor cores in bf16 (a rank
-    # of 160 ran 2.5x faster than 163 on an H100); 1 spends the whole budget. BENCHMARKS.md#layer-fwdbwd-4096-tokens
+    # The ranks --ratio chooses are multiples of this. 8 suits GPU tensor cores in bf16 (ranks off
+    # that grid fall to slower kernels); 1 spends the whole budget.
+    # BENCHMARKS.md#training-on-a-gpu-step-time-and-memory
     rank_multiple: int = 1
     # The input (word) embedding's ranks are this many times the shared rank (uniform allocation): it
     # carries every token's meaning into mean pooling; 2.5 and more starve the linears.
-    # BENCHMARKS.md#quality-across-domains-out-of-domain
+    # docs/findings.md
     embedding_rank_scale: float = 1.5
     # The layers of the last repeated block (a BERT's last encoder layer, a decoder's last layer)
     # get this many times the shared rank (uniform allocation): their error reaches the output with
     # no later layer to compensate it. 1: one shared rank. A fixed --rank and the experimental
-    # allocations do not read it. BENCHMARKS.md#the-last-blocks-rank---last-block-rank-scale-session-37
+    # allocations do not read it. docs/findings.md
     last_block_rank_scale: float = 2.0
     # The last repeated block's attention output projection (BERT's attention.output.dense, GPT-2's
     # attn.c_proj, Llama's self_attn.o_proj) stays dense: on MiniLM it is the one layer whose
     # compression costs the embedding most, for one square matrix (0.5 % of a bert-base).
-    # BENCHMARKS.md#the-last-blocks-attention-output---keep-last-attention-output-session-38
+    # docs/findings.md
     keep_last_attention_output: bool = True
     # The input (word) embedding as "tt" (as the other embeddings) or as a "codebook": product-
     # quantized (codebook/), each row one byte per slice of codebook_width columns. A TT over token
     # ids keeps the rows of the most frequent tokens; a codebook keeps every row coarsely, and what it
     # saves goes to the linears. None: codebook with a --ratio, tt with a fixed --rank (CoMERA's).
-    # BENCHMARKS.md#conversion-routes-side-by-side-all-minilm-l6-v2-calibrated-on-english
+    # docs/findings.md
     word_embedding: str | None = None
     # Columns per codebook slice: 4 by an early study on MiniLM; 8 halves the codes' bytes.
     codebook_width: int = 4
@@ -355,7 +356,7 @@ class ConvertOptions:
         return {name: None for name in self._defaulted}
 
     def reconstruct_steps_for(self, block_params: int) -> int:
-        """Reconstruction steps for blocks of ``block_params`` dense parameters: those asked for; by
+        """Reconstruction steps for blocks of ``block_params`` dense parameters: those given; by
         default at most what RECONSTRUCTION_STEP_BUDGET buys the compressed block (``block_params``
         over the layers' cut), never under MIN_RECONSTRUCT_STEPS."""
         steps = self.reconstruct_steps
@@ -367,7 +368,7 @@ class ConvertOptions:
         return max(MIN_RECONSTRUCT_STEPS, int(RECONSTRUCTION_STEP_BUDGET / compressed))
 
     def learning_steps_for(self, params: int) -> int:
-        """The learned allocation's steps for a model of ``params`` parameters: those asked for; by
+        """The learned allocation's steps for a model of ``params`` parameters: those given; by
         default what LEARNING_STEP_BUDGET buys it, LEARNING_STEPS at most, MIN_LEARNING_STEPS at least."""
         if self.learning_steps is not None:
             return self.learning_steps
@@ -379,7 +380,7 @@ class ConvertOptions:
         return self.calibration_sequences or DEFAULT_SEQUENCES
 
     def sequences_for(self, params: int) -> int:
-        """Calibration sequences for a model of ``params`` parameters: those asked for; where
+        """Calibration sequences for a model of ``params`` parameters: those given; where
         compensating, as many as CALIBRATION_PARAM_TOKENS buy (DEFAULT_SEQUENCES to
         MAX_CALIBRATION_SEQUENCES); else DEFAULT_SEQUENCES."""
         if self.calibration_sequences is not None:

@@ -18,7 +18,7 @@ compensation), at the cut `--ratio 2` gives the linears (1.6x) the pruned pairs 
 0.939 to the dense embeddings against 0.850 for whitened low-rank pairs, at 3.4x 0.783 against
 0.588; in the pipeline `--ratio 2` keeps 0.956 of dense recall@1 against 0.916, and on MiniLM,
 `--ratio 4` 0.916 against 0.909, cosine higher on every domain of both.
-BENCHMARKS.md#feed-forward-pairs-pruned-by-neuron-session-56
+docs/findings.md
 """
 
 from __future__ import annotations

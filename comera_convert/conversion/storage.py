@@ -1,7 +1,7 @@
 """How a compressed checkpoint stores its tensors (``comera convert --dtype``).
 
 Floats: TT cores are as easy to round as dense weights: bfloat16 halves the checkpoint of a float32
-source for a change in the fourth digit of the embeddings (BENCHMARKS.md, Quality). float16 has
+source for a change in the fourth digit of the embeddings (docs/findings.md). float16 has
 finer steps but a range of only +-65504, so a model holding a larger value is refused rather than
 stored as infinities.
 
@@ -58,14 +58,14 @@ def integer_format(name: str, group_size: int | None = None, clip_search: bool =
     if name not in INTEGER_BITS:
         raise ConfigError(expected(f"an integer storage dtype in {tuple(INTEGER_BITS)}", name))
     bits = INTEGER_BITS[name]
-    if group_size is not None:  # as asked: a width it does not divide is an error
+    if group_size is not None:  # as given: a width it does not divide is an error
         return IntegerFormat(bits, group_size, clip_search=clip_search)
     return IntegerFormat(bits, INT4_GROUP_SIZE if bits == 4 else None, exact=False, clip_search=clip_search)
 
 
 def storage_record(name: str, group_size: int | None, clip_search: bool = True) -> dict:
     """What the checkpoint's config records of integer storage: the ``--dtype``, the group size
-    asked for (None: the default) and how scales are chosen, which ``integer_format`` turns back
+    requested (None: the default) and how scales are chosen, which ``integer_format`` turns back
     into the format."""
     return {"format": name, "group_size": group_size, "clip_search": clip_search}
 

@@ -4,7 +4,7 @@ A strategy takes an ``AllocationRequest`` and returns an ``Allocation``: one spe
 (None keeps it dense), the shared maximum rank where there is one, and what the report says.
 ``uniform`` (one shared rank, the largest the ratio allows, scaled for the input embedding and the
 last block, whose attention output projection stays dense) is the default, what the quality figures
-were measured with (those before session 37 with one rank for every block); ``learned`` re-splits
+are measured with; ``learned`` re-splits
 its budget between the block stack's linears by ranks learned end to end (``learned.py``); the
 experimental ones (``conversion/experimental/``) are opt-in studies that did not beat it out of
 domain after training (their docstrings say by how much). A new strategy is a function registered in ``STRATEGIES``.
@@ -127,7 +127,7 @@ def learn_allocation(request: AllocationRequest, batches: list) -> LearnedRanks:
     and reconstruction, which make up for a block's error in the blocks after it; the last block has
     none after it, and learned it lost rank to earlier blocks. On all-mpnet-base-v2 at --ratio 4
     that cost 0.02-0.04 of cosine on every held-out domain; kept at 2x, the learned allocation gains
-    cosine on every domain (BENCHMARKS.md, A learned rank allocation)."""
+    cosine on every domain (docs/findings.md)."""
     from .learned import learn_rank_scales
 
     plan = _uniform_plan(request)

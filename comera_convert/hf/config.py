@@ -74,7 +74,8 @@ class ComeraConfig(QuantizationConfigMixin):
             raise ModelLoadError(f"this checkpoint stores its factors as {name!r}, which this comera_convert "
                                  f"cannot read (it reads {' and '.join(INTEGER_BITS)}): upgrade comera-convert")
         try:
-            return integer_format(name, self.storage.get("group_size"), self.storage.get("clip_search", True) is not False)
+            clip_search = self.storage.get("clip_search", True) is not False
+            return integer_format(name, self.storage.get("group_size"), clip_search)
         except ValueError as err:
             raise ModelLoadError(f"the checkpoint's integer storage record is not valid: {err}") from None
 

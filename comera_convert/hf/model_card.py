@@ -120,7 +120,8 @@ def facts(report: ConversionReport, disk_bytes: int | None, licence: str | None,
                            f"all parameters counted)")]
     if disk_bytes:
         source_bytes = extra.get("source_bytes")
-        versus = f" (source {human_bytes(source_bytes)}, {source_bytes / disk_bytes:.2f}x smaller)" if source_bytes else ""
+        versus = (f" (source {human_bytes(source_bytes)}, {source_bytes / disk_bytes:.2f}x smaller)"
+                  if source_bytes else "")
         rows.append(("weights on disk", human_bytes(disk_bytes) + versus))
     if extra.get("storage_dtype"):
         rows.append(("stored as", extra["storage_dtype"]))
@@ -158,7 +159,8 @@ def size_table(report: ConversionReport) -> str:
         tied = first.kind == "tied_head"  # contracts with its embedding's cores: no parameters of its own
         ranks = "the embedding's" if tied else ", ".join(map(str, first.ranks)) or "-"
         varies = " (varies)" if len({tuple(r.ranks) for r in rows}) > 1 else ""
-        lines.append(f"| `{block}` | {len(rows)} | {'tied' if tied else first.layout} | {first.rows} x {first.cols} | {ranks}{varies} | "
+        layout = "tied" if tied else first.layout
+        lines.append(f"| `{block}` | {len(rows)} | {layout} | {first.rows} x {first.cols} | {ranks}{varies} | "
                      f"{sum(r.dense_params for r in rows):,} | {sum(r.tt_params for r in rows):,} |")
     return "\n".join(lines)
 

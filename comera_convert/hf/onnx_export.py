@@ -104,7 +104,7 @@ def export_onnx(model_name: str, out, *, opset: int = DEFAULT_OPSET, dtype: str 
 
 
 def _layout_notes(model: nn.Module) -> list[str]:
-    """ttm layers export correctly but run slowly in onnxruntime (measured in BENCHMARKS.md)."""
+    """ttm layers export correctly but run slowly in onnxruntime (docs/findings.md)."""
     from ..layers import TTModule
 
     ttm = [name for name, module in model.named_modules() if isinstance(module, TTModule) and module.layout == "ttm"]

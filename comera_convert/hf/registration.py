@@ -65,6 +65,6 @@ class ThenRegister(importlib.abc.Loader):
         _register()
 
     def __getattr__(self, name):  # get_code, is_package, get_resource_reader, ...: the loader's own
-        if name == "loader":  # asked before __init__ set it (a copy being made): not there, no recursion
+        if name == "loader":  # read before __init__ set it (a copy being made): not there, no recursion
             raise AttributeError(name)
         return getattr(self.loader, name)

@@ -69,6 +69,6 @@ def int8_linear(x: torch.Tensor, packed) -> torch.Tensor:
 def balance_bond(left: torch.Tensor, right: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The same product ``left @ right`` with every column of ``left`` of unit norm (the scale moved
     into ``right``'s rows): the bond's activations ``x @ left`` then share one range, which the
-    per-tensor rounding of the second GEMM's input needs. See BENCHMARKS.md#int8-compute-on-a-cpu."""
+    per-tensor rounding of the second GEMM's input needs. See BENCHMARKS.md#serving-on-a-cpu."""
     norms = left.norm(dim=0).clamp_min(1e-12)
     return left / norms, right * norms[:, None]

@@ -32,7 +32,7 @@ SHRINKS = tuple(1.0 - 0.05 * k for k in range(11))
 SCALE_DTYPE = torch.float16
 
 
-# A channel whose width no group size up to the asked one divides into groups of at least this
+# A channel whose width no group size up to the requested one divides into groups of at least this
 # many values gets one scale for the whole channel (smaller groups would spend more on scales).
 MIN_GROUP_SIZE = 16
 

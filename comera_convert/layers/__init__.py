@@ -8,5 +8,6 @@ from .tt_embedding import TTEmbedding
 from .tt_linear import TTLinear
 from .tied_head import TiedTTHead
 
-__all__ = ["CodebookEmbedding", "Int8Linear", "Int8Swap", "PrunedLinear", "TTEmbedding", "TTLinear", "TTModule", "TiedTTHead",
+__all__ = ["CodebookEmbedding", "Int8Linear", "Int8Swap", "PrunedLinear", "TTEmbedding", "TTLinear", "TTModule",
+           "TiedTTHead",
            "use_int8_compute"]

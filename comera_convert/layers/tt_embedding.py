@@ -98,7 +98,7 @@ class TTEmbedding(TTModule):
         return self.cached("table", self.dense_matrix)
 
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
-        """The rows of ``indices``, contracted from the cores (only the rows asked for)."""
+        """The rows of ``indices``, contracted from the cores (only the rows requested)."""
         # On CUDA (and under torch.compile) no host syncs: a device-side range check, and no
         # deduplication of repeated ids (its output size depends on the data).
         sync_free = check_token_ids(indices, self.num_embeddings)

@@ -12,7 +12,7 @@ from M* = G^-1 X^T X M whitened by G, which minimizes ||X^ M_tt - X M|| (``compe
 and its bias matches the dense mean output. Once the block is converted, both streams move past
 it (the dense copy, the compressed block) and its layers are written out.
 
-Measured on all-MiniLM-L6-v2 at --ratio 4 (BENCHMARKS.md, Conversion routes side by side): the
+Measured on all-MiniLM-L6-v2 at --ratio 4 (docs/findings.md): the
 share of dense recall@1 kept rose from 0.49-0.62 to 0.72-0.74 on three natural-language domains,
 two of which the calibration never read, and from 0.38 to 0.52 on code. With block
 reconstruction it also gains where the factorized layers are cut least (MiniLM at --ratio 2 and
@@ -41,7 +41,7 @@ from .streaming import load_module
 COMPENSATION_RIDGE = 1e-2
 # The map M* has as many unknowns per output as the layer has inputs, so it overfits calibration
 # text that gives too few input rows: a layer with fewer rows than this per input is fit to the dense
-# inputs instead. BENCHMARKS.md#conversion-routes-side-by-side-all-minilm-l6-v2-calibrated-on-english
+# inputs instead. docs/findings.md
 MIN_ROWS_PER_INPUT = 8
 
 

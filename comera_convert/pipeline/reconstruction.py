@@ -15,8 +15,7 @@ With integer storage (``grid``: ``--dtype int8|int4``) the block is tuned on its
 that grid (quantization-aware, as OmniQuant and BRECQ tune rounded blocks: the forward passes run
 on ``fake_quantize``'s values), then its factors are rounded there in place: what the blocks after
 it are fit to and what the checkpoint writes are the values the tuning saw. Tuned in float and
-rounded only as written, the tuning's gain is partly lost to the rounding (BENCHMARKS.md,
-Reconstruction on the integer grid).
+rounded only as written, the tuning's gain is partly lost to the rounding (docs/findings.md).
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ logger = logging.getLogger("comera_convert")
 STEP_SEQUENCES = 8
 # A block whose tuning does not lower its held-out distance is tuned once more at this share of the
 # rate: most of all-mpnet-base-v2's blocks reject 1e-3 at --ratio 2, while a lower rate everywhere
-# keeps less on MiniLM. BENCHMARKS.md#feed-forward-pairs-pruned-by-neuron-by-default-and-reconstruction-retried-at-a-lower-rate-session-58
+# keeps less on MiniLM. docs/findings.md
 # The blocks after one that kept the lower rate try it first (``rates_to_try``).
 RETRY_LR_SHARE = 0.3
 

@@ -81,7 +81,7 @@ def convert_checkpoint(model_name: str, out, options: ConvertOptions, *, task=No
     ``default_calibration``: the data to calibrate on when ``options`` names none (`comera convert`
     passes ``english``); a model without a tokenizer then converts by plain TT-SVD, as the
     result's ``notes`` say. Data named in ``options`` needs the tokenizer. ``command``: the command
-    line that asked for it, recorded in the report and the model card. ``task`` picks the head
+    line that requested it, recorded in the report and the model card. ``task`` picks the head
     (``TASK_CLASSES``); by default the recorded architecture, or the encoder alone (AutoModel) for a
     sentence-transformers folder, as sentence-transformers loads it. ``progress`` hears of each
     stage (loading, calibrating, each module converted, saving). ``max_shard_size`` splits the
@@ -149,7 +149,8 @@ def convert_checkpoint(model_name: str, out, options: ConvertOptions, *, task=No
             report.extra["streamed"] = True
         elif options.dtype is not None:
             cast_for_storage(model, options.dtype)
-        report.extra["storage_dtype"] = storage_name(options) or str(next(model.parameters()).dtype).removeprefix("torch.")
+        stored = storage_name(options) or str(next(model.parameters()).dtype).removeprefix("torch.")
+        report.extra["storage_dtype"] = stored
         report.extra["source_bytes"] = weight_bytes(path)
         if learning is not None:
             report.extra.update(learning.to_dict())
@@ -247,7 +248,7 @@ def _stream_source(path: str, options: ConvertOptions):
 
 
 # A conversion of a model loaded whole peaks at about twice its checkpoint's bytes (measured on a
-# 1.1 B bfloat16 model: 4.45 GB for 2.2 GB). BENCHMARKS.md#streaming-conversion-peak-memory-and-time-of-comera-convert
+# 1.1 B bfloat16 model: 4.45 GB for 2.2 GB). BENCHMARKS.md#conversion-time-and-memory
 WHOLE_LOAD_MEMORY = 2.0
 
 

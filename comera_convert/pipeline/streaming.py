@@ -234,7 +234,7 @@ class Streamed:
         self.spill(model, "")
 
     def writer(self, model: nn.Module, max_shard_size: int | str | None):
-        """The weight writer ``save_compressed`` calls: the spooled checkpoint, sharded as asked."""
+        """The weight writer ``save_compressed`` calls: the spooled checkpoint, sharded as requested."""
         sharding = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
         return lambda directory: self.spool.write_checkpoint(model, directory, **sharding)
 

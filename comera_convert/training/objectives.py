@@ -142,7 +142,7 @@ def distill_loss(student_states, teacher_states, mask, states: str = "relative-m
     The states are the models' ``hidden_states`` (the embedding output, then one per layer). The
     compressed student keeps the teacher's depth, so every layer gets its own target: on MiniLM at
     --ratio 4 that reaches a held-out embedding cosine of 0.80 after 150 steps where the last layer
-    alone reaches 0.79, and 0.84 against 0.83 after 600 (BENCHMARKS.md, Quality).
+    alone reaches 0.79, and 0.84 against 0.83 after 600 (docs/findings.md).
     """
     distance = STATE_DISTANCES[states]
     weight = mask.unsqueeze(-1).to(student_states[-1].dtype)

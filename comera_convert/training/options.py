@@ -19,14 +19,14 @@ from .budget import SCHEDULE_SHARE
 
 # Where the conversion cut the factorized layers at least this much (its report's layers_cut),
 # distillation matches each state's direction by default: better on MiniLM at --ratio 6 and 8, worse
-# at --ratio 4. BENCHMARKS.md#distilling-each-states-direction---distill-states-session-36
+# at --ratio 4. docs/findings.md
 COSINE_STATES_FROM_CUT = 3.0
 # The options left unset (None) take these by objective. Pre-training (mlm, clm) keeps CoMERA's
 # rates. Distillation starts far from its optimum and matches an eval-mode teacher, so it trains the
 # cores faster, without dropout, ends on a decayed rate and (an encoder) sees its documents' first
 # blocks; without a --target-ratio it keeps the size (no late stage, no size term), where CoMERA's
 # late stage would spend a third of the run shrinking gates instead of matching the teacher. Each
-# was measured in recipes/train-minilm-distill.yaml: BENCHMARKS.md#recovery-in-cpu-minutes-comera-train---minutes
+# was measured in the train-minilm-distill recipe: BENCHMARKS.md#quality-beside-the-peers
 PRETRAINING_DEFAULTS = dict(lr_cores=1e-4, lr_rest=5e-5, warmup_steps=0, lr_scheduler_type="constant",
                             document_starts=0.0, beta=0.01)
 DISTILL_DEFAULTS = dict(lr_cores=1e-3, lr_rest=1e-4, dropout=0.0, lr_scheduler_type="cosine",
@@ -34,7 +34,7 @@ DISTILL_DEFAULTS = dict(lr_cores=1e-3, lr_rest=1e-4, dropout=0.0, lr_scheduler_t
 DISTILL_WARMUP = 50  # steps, at most a tenth of the run
 # With a target ratio the late stage starts after this share of the run, trains on the task loss and
 # closes the ranks over its first budget.SCHEDULE_SHARE, the pairs re-projected at the switch: kept more
-# than CoMERA's schedule at equal compute (BENCHMARKS.md, all-mpnet-base-v2 on the task loss).
+# than CoMERA's schedule at equal compute (docs/findings.md).
 TARGET_EARLY_SHARE = 0.05
 TARGET_DEFAULTS = dict(late_objective="task", budget_share=SCHEDULE_SHARE)
 
@@ -136,7 +136,7 @@ class TrainOptions:
     # target_fraction of the TT size at the switch (CoMERA: 0.2).
     target_ratio: float | None = None
     target_fraction: float = 0.2
-    # Share of the late stage over which a --target-ratio budget falls to the target; the rest trains
+    # Share of the late stage over which a --target-ratio budget falls to the target ratio; the rest trains
     # at the final ranks. None: budget.SCHEDULE_SHARE under a target ratio (for_objective sets it).
     budget_share: float | None = None
     # The fewest entries each bond of the stack's last block keeps under a --target-ratio budget, as a
@@ -159,7 +159,7 @@ class TrainOptions:
     # Share of the training draws that are a training document's first block ([CLS] and the text
     # from its start, as a sentence encoder embeds it); the rest are packed blocks that start
     # anywhere. 0 (packed blocks only) is pre-training's usual; distilling a sentence encoder
-    # gains from matching how its texts begin (recipes/train-minilm-distill.yaml: 0.5). None: by objective.
+    # gains from matching how its texts begin (the train-minilm-distill recipe: 0.5). None: by objective.
     document_starts: float | None = None
     # Cut each drawn document start to its first k tokens of text, k drawn log-uniformly between
     # this and the block's text length (a fixed draw per copy), so that the student also matches

@@ -120,7 +120,7 @@ class RankController:
         self.options = options
         self.dense_params = dense_params
         self.state = RankState()
-        # Dense linears of the blocks made gated pairs because the target lay beyond the gates (opening.py).
+        # Dense linears of the blocks made gated pairs because the target ratio lay beyond the gates (opening.py).
         self.opened: list[str] = []
         pruned = 0  # pruned pairs have no gates: counted where a target would shrink the layers
         if options.target_ratio is not None:
@@ -139,7 +139,7 @@ class RankController:
         self.sync_open()
         self.importance = [[torch.zeros(len(g)) for g in m.gates] for _, m in self.modules]
         # The fewest entries each bond keeps under the budget, from its rank as training starts: a
-        # quarter, or less where the target needs it.
+        # quarter, or less where the target ratio needs it.
         self.kept_share = MIN_KEPT_SHARE
         self.floors = self.floors_at(MIN_KEPT_SHARE)
         if options.target_ratio is not None:
@@ -168,7 +168,7 @@ class RankController:
 
     def measurements(self) -> dict:
         """Size, ratio and stage now, for the history (each counted once); with a target ratio, also
-        the target and the ratio the step's budget allows."""
+        the target ratio and the ratio the step's budget allows."""
         size, params = self.size(), self.model_params()
         record = {"size": size, "ratio": self.dense_params / max(params, 1), "stage": self.state.stage}
         if self.options.target_ratio is not None:
@@ -237,7 +237,8 @@ class RankController:
             raise ConfigError(f"target ratio {target_ratio:g} is beyond what the smallest ranks allow: "
                               f"{ceiling:.2f}x with every bond at its floor ({self.floor_description()}), "
                               f"and {self.ungated_params() / 1e6:.2f} M parameters outside the gates (layers "
-                              f"kept dense, codebook tables, pruned feed-forward pairs); ask for at most {ceiling:.2f}, or convert at a "
+                              f"kept dense, codebook tables, pruned feed-forward pairs); ask for at most "
+                              f"{ceiling:.2f}, or convert at a "
                               "higher --ratio first")
 
     def ungated_params(self) -> int:
@@ -285,7 +286,7 @@ class RankController:
         Runs after every optimizer step; it also puts back to zero the closed entries that the
         step moved (AdamW's momentum keeps moving them), so closed stays closed. With a target
         ratio the budget decides every closure instead (``enforce_budget``: a gate near zero has
-        near-zero importance, so it goes first), and the size lands on the target, not below it.
+        near-zero importance, so it goes first), and the size lands on the target ratio, not below it.
         """
         closed = 0
         by_tau = self.options.target_ratio is None
@@ -341,12 +342,12 @@ class RankController:
         return max(progress, self.clock.share_spent()) if self.timed() else progress
 
     def schedule_end(self) -> int:
-        """The step at which the budget reaches the target."""
+        """The step at which the budget reaches the target ratio."""
         switch = self.state.switch_step or 0
         return switch + max(1, math.ceil(self.options.budget_share * (self.options.steps - switch)))
 
     def schedule_progress(self, step: int) -> float:
-        """How far the budget has fallen towards the target, 0 at the switch to 1 (and beyond) at the
+        """How far the budget has fallen towards the target ratio, 0 at the switch to 1 (and beyond) at the
         schedule's end: in steps, or with --minutes in the run's progress."""
         if not self.timed():
             switch = self.state.switch_step
@@ -364,7 +365,8 @@ class RankController:
         if left >= MIN_LATE_STEPS:
             return None
         return (f"--minutes {self.options.minutes:g} leaves about {left:.0f} steps for the late stage to compress "
-                f"from {self.ratio():.2f}x to {self.options.target_ratio:g}x (at {per_step:.2f} s a step): the target "
+                f"from {self.ratio():.2f}x to {self.options.target_ratio:g}x (at {per_step:.2f} s a step): "
+                f"the target ratio "
                 "may be missed; give more --minutes or fewer --early-steps")
 
     def budget_at(self, step: int) -> int | None:
@@ -405,7 +407,7 @@ class RankController:
         return ModuleBonds(physical_sizes(module), opened, importance, floors)
 
     def shortfall(self, step: int) -> str | None:
-        """One line saying why, when a target ratio was asked for and the model is not within
+        """One line saying why, when a target ratio is given and the model is not within
         tolerance of it; None when it is."""
         target = self.options.target_ratio
         if target is None or self.model_params() <= self.dense_params / target * (1 + TARGET_TOLERANCE):
@@ -447,13 +449,13 @@ class RankController:
         return False
 
     def switch(self, step: int) -> None:
-        """Enter the late stage: fix the target point (L0, S0)."""
+        """Enter the late stage: fix the switch's point (L0, S0)."""
         size = self.size()
         self.state.stage, self.state.switch_step, self.state.size_at_switch = LATE, step, size
         self.state.switch_progress = self.run_progress(step)
         if self.options.target_ratio is not None:
             # The whole model must hold dense_params / target_ratio: the TT part gets what the rest
-            # leaves (the gates counted at today's ranks, so the target is met, never missed by them).
+            # leaves (the gates counted at the current ranks, so the size lands on the target ratio, never past it).
             rest = self.model_params() - size
             self.state.target_size = max(1, int(self.dense_params / self.options.target_ratio) - rest)
         else:

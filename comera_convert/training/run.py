@@ -46,7 +46,7 @@ READ_AHEAD = 4
 SAME_SIZE = 0.005
 # A run that closed ranks and keeps less than this share of the held-out retrieval it started with
 # broke rather than traded quality for size: working --target-ratio runs kept 0.89 to 1.08 of
-# their start, the broken ones 0.04 and 0.10 (BENCHMARKS.md, sessions 47 to 51).
+# their start, the broken ones 0.04 and 0.10.
 KEPT_WHEN_BROKEN = 0.5
 
 
@@ -81,7 +81,7 @@ class TrainResult:
     # The closed ranks cut out while training (rank_cuts.py): step, parameters stored before and after,
     # mean step seconds before and after.
     rank_cuts: list[dict] = field(default_factory=list)
-    # Dense linears of the blocks opened to the gates for the target (opening.py), by name.
+    # Dense linears of the blocks opened to the gates for the target ratio (opening.py), by name.
     opened_layers: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -220,7 +220,7 @@ def default_bf16(cuda: bool) -> bool:
 
 
 def bf16_warning(options: TrainOptions, cuda: bool) -> str | None:
-    """One line when bf16 is asked for on a CPU that emulates it, else None."""
+    """One line when bf16 is requested on a CPU that emulates it, else None."""
     if options.bf16 and not cuda and not native_bf16_cpu():
         return ("bf16 on this CPU is emulated (no AVX512-BF16 or AMX): float32 trains faster here, "
                 "pass --no-bf16")
@@ -283,7 +283,7 @@ class Session:
 def recorded_layers_cut(path, target_ratio: float | None = None) -> float | None:
     """How hard the conversion cut the checkpoint's factorized layers, as its report records it (None
     where it records none, or where the report is unreadable: export says so as it starts a new one).
-    With a target ratio, how hard the target cuts them at least: the recorded cut times the target
+    With a target ratio, how hard the target ratio cuts them at least: the recorded cut times the target ratio
     over the ratio now (more where layers the gates cannot shrink, such as a codebook table, hold
     part of the model)."""
     from ..conversion.report import read_report

@@ -134,7 +134,7 @@ class ComeraTrainer(Trainer):
         if reached <= controller.state.cut_points:
             return
         controller.state.cut_points = reached
-        if not self.cuts_ranks or distributed():  # asked again: torchrun's group may start after __init__
+        if not self.cuts_ranks or distributed():  # checked again: torchrun's group may start after __init__
             return
         cut = cut_closed_ranks(controller, self.optimizer, step)
         if cut is not None:
@@ -189,7 +189,8 @@ class ComeraTrainer(Trainer):
         except OSError as err:
             if self.is_world_process_zero():
                 shutil.rmtree(folder, ignore_errors=True)
-            raise ComeraError(f"could not write {folder.name} ({err.strerror or err}{f': {err.filename}' if err.filename else ''}): removed the partial "
+            where = f": {err.filename}" if err.filename else ""
+            raise ComeraError(f"could not write {folder.name} ({err.strerror or err}{where}): removed the partial "
                               f"checkpoint; the earlier complete ones are kept for --resume") from None
 
     def _save_sharded_training_state(self, folder: Path) -> None:

@@ -5,7 +5,7 @@ share of ``steps`` taken, so that a schedule that decays (cosine, linear) reache
 first of the two runs out, and training stops there. A sentence encoder distilled for minutes
 gains most from a rate that has decayed by the end: all-MiniLM-L6-v2 at --ratio 4, 5 minutes on 2
 CPU cores with a cosine over those minutes, keeps 0.81-0.85 of the dense retrieval recall@1 on three
-natural-language domains (BENCHMARKS.md, Recovery in CPU minutes).
+natural-language domains (docs/findings.md).
 """
 
 from __future__ import annotations
