@@ -121,7 +121,8 @@ def test_cells_read_as_the_columns_say():
 
 
 def test_a_new_record_states_this_machine_and_validates(tmp_path):
-    made = record.new_record("trial", "a trial", "python benchmarks/x.py", [("label", "model"), ("kept", "kept", ".3f")],
+    made = record.new_record("trial", "a trial", "python benchmarks/x.py",
+                             [("label", "model"), ("kept", "kept", ".3f")],
                              [{"label": "--ratio 4", "kept": record.cell(0.9, 0.02)}])
     assert made["machine"]["cores"] >= 1 and made["machine"]["cpu"] and made["versions"]["torch"]
     written = record.write(made, tmp_path)
