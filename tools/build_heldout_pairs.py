@@ -1,5 +1,5 @@
 """Query/document pairs of two domains the project never reads, from what a Debian machine carries,
-for `comera eval --pairs` (BENCHMARKS.md, Quality across domains):
+for `comera eval --pairs` and `benchmarks/quality.py` (BENCHMARKS.md, How to read the figures):
 
   man.jsonl     a man page's one-line summary (NAME) against the first paragraph of its DESCRIPTION
   debian.jsonl  an installed Debian package's short description against its long one

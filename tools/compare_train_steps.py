@@ -1,6 +1,6 @@
 """Distillation train steps of compressed checkpoints side by side, in one process: interleaved
-rounds, the median of each, as ratios to the first checkpoint (BENCHMARKS.md, Ranks that shrink
-for real). A step is what the distillation recipe's step does at its shapes: the dense teacher's
+rounds, the median of each, as ratios to the first checkpoint (the step times of BENCHMARKS.md's
+rank adaptation). A step is what the distillation recipe's step does at its shapes: the dense teacher's
 forward, the student's forward and backward on the squared distance of the last hidden states,
 and a fused AdamW step.
 
