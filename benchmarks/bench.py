@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -45,8 +44,8 @@ def flatten(row: dict) -> dict:
     return cells
 
 
-def columns_of(rows: list[dict]) -> list[tuple]:
-    keys = list(dict.fromkeys(key for row in rows for key in row))
+def columns_of(keys: list[str]) -> list[tuple]:
+    """A column per cell key; the shares kept by domain read as figures of three decimals."""
     return [(key, f"{key.removeprefix('kept_')} kept" if key.startswith("kept_") else HEADERS.get(key, key),
              ".3f" if key.startswith("kept_") else None) for key in keys]
 
@@ -62,10 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     bench_args = argv[split + 1:]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
-        command = ["comera", "--quiet", "bench", *bench_args, "--json", str(out)]
-        print("+", shlex.join(command), file=sys.stderr, flush=True)
-        if subprocess.run(command).returncode != 0:
-            sys.exit(f"error: {shlex.join(command)} failed")
+        records.run_command(["comera", "--quiet", "bench", *bench_args, "--json", str(out)])
         result = json.loads(out.read_text())
     rows = [flatten(row) for row in result["rows"]]
     keys = list(dict.fromkeys(key for row in rows for key in row))
@@ -73,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     cases = sorted({row["case"] for row in result["rows"]})
     title = args.title or f"`comera bench {' '.join(cases)}` on {result['device']} in {result['dtype']}"
     record = records.new_record(args.name, title, shlex.join(["python", "benchmarks/bench.py", *argv]),
-                                columns_of(rows), rows,
+                                columns_of(keys), rows,
                                 notes=["--quick: tiny shapes, a smoke test rather than a measurement"]
                                 if result.get("quick") else [])
     print(records.write(record, args.results))

@@ -16,26 +16,17 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import record as records  # noqa: E402
+from record import run_command as run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 2 ** 20
 DOMAIN_HEADERS = {"english": "english", "python-stdlib": "code", "man": "man", "debian": "Debian"}
-
-
-def run(args: list[str]) -> str:
-    """Run a command, echo it, return its standard output; stop with its error on failure."""
-    print("+", shlex.join(args), file=sys.stderr, flush=True)
-    done = subprocess.run(args, stdout=subprocess.PIPE, text=True)
-    if done.returncode != 0:
-        sys.exit(f"error: {shlex.join(args)} exited with {done.returncode}")
-    return done.stdout
 
 
 def held_out_pairs(directory: Path) -> list[Path]:

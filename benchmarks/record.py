@@ -27,8 +27,9 @@ import datetime as _dt
 import json
 import os
 import platform
+import shlex
 import subprocess
-import time
+import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -81,6 +82,15 @@ def versions() -> dict:
             "comera_convert": comera_convert.__version__, "python": platform.python_version()}
 
 
+def run_command(args: list[str]) -> str:
+    """Run a measuring command, echoed on stderr; its standard output, or stop with its error."""
+    print("+", shlex.join(args), file=sys.stderr, flush=True)
+    done = subprocess.run(args, stdout=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        sys.exit(f"error: {shlex.join(args)} exited with {done.returncode}")
+    return done.stdout
+
+
 def commit() -> str | None:
     """The checkout's commit (with "+changes" when the tree differs from it), or None outside git."""
     root = Path(__file__).resolve().parent.parent
@@ -111,7 +121,7 @@ def new_record(name: str, title: str, command: str, column_specs: list[tuple], r
                notes: list[str] = ()) -> dict:
     """A record of figures measured now, on this machine."""
     record = {"name": name, "title": title, "command": command, "machine": machine(), "versions": versions(),
-              "date": _dt.date.fromtimestamp(time.time()).isoformat(), "commit": commit(),
+              "date": _dt.datetime.now().date().isoformat(), "commit": commit(),
               "columns": columns(*column_specs), "rows": rows, "notes": list(notes)}
     validate(record, name)
     return record

@@ -15,9 +15,9 @@ def from_mapping(cls, data: dict, origin: str = "options"):
     if unknown:
         raise ConfigError(f"{origin}: unknown key(s) {', '.join(unknown)} "
                           f"(expected some of: {', '.join(sorted(known))})")
-    if origin == "options":
-        return cls(**data)
     try:
         return cls(**data)
     except ConfigError as err:
+        if origin == "options":  # the command line's flags: the message names them already
+            raise
         raise ConfigError(f"{origin}: {err}") from None

@@ -159,4 +159,4 @@ def test_the_bench_script_keeps_each_share_with_its_error():
     assert cells == {"method": "comera int8 compute", "shape": "400 texts", "sentences_per_s": 163.1,
                      "speed_vs_dense": 3.3, "ranks": "1,2", "kept_english": {"value": 0.991, "error": 0.025},
                      "kept_man": {"value": 0.956, "error": 0.02}}
-    assert ("kept_man", "man kept", ".3f") in bench.columns_of([cells])
+    assert ("kept_man", "man kept", ".3f") in bench.columns_of(list(cells))

@@ -57,17 +57,22 @@ def load_recipe(recipe: str | Path) -> dict:
     return data
 
 
-def convert_options(recipe: str | Path | None, overrides: dict) -> ConvertOptions:
-    """Options from a recipe (if any) with the given non-None overrides on top."""
+def _merged(recipe: str | Path | None, overrides: dict) -> tuple[dict, str]:
+    """A recipe's mapping (if any) with the non-None ``overrides`` on top, and the origin its errors name."""
     data = load_recipe(recipe) if recipe else {}
     data.update({k: v for k, v in overrides.items() if v is not None})
+    return data, f"recipe {recipe}" if recipe else "options"
+
+
+def convert_options(recipe: str | Path | None, overrides: dict) -> ConvertOptions:
+    """Options from a recipe (if any) with the given non-None overrides on top."""
+    data, origin = _merged(recipe, overrides)
     if data.get("rank") is not None and overrides.get("ratio") is None:
         data["ratio"] = None  # a rank replaces the default ratio unless a ratio is given too
-    return ConvertOptions.from_dict(data, origin=f"recipe {recipe}" if recipe else "options")
+    return ConvertOptions.from_dict(data, origin=origin)
 
 
 def train_options(recipe: str | Path | None, overrides: dict) -> TrainOptions:
     """Training options from a recipe (if any) with the given non-None overrides on top."""
-    data = load_recipe(recipe) if recipe else {}
-    data.update({k: v for k, v in overrides.items() if v is not None})
-    return TrainOptions.from_dict(data, origin=f"recipe {recipe}" if recipe else "options")
+    data, origin = _merged(recipe, overrides)
+    return TrainOptions.from_dict(data, origin=origin)

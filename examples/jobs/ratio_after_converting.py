@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 import comera_convert
+from comera_convert.conversion.calibration import DEFAULT_CALIBRATION  # what `comera convert` calibrates on
 from comera_convert.recipes import convert_options, train_options
 
 
@@ -33,7 +34,7 @@ def main() -> None:
     options = convert_options(None, {"ratio": args.ratio, "ffn": "low-rank",
                                      "calibration_sequences": args.calibration_sequences})
     comera_convert.convert_checkpoint(args.model, work / "converted", options, overwrite=True,
-                                      default_calibration="english+python-stdlib")
+                                      default_calibration=DEFAULT_CALIBRATION)
     overrides = {"target_ratio": args.target_ratio, "minutes": args.minutes, "steps": args.steps,
                  "early_steps": max(1, args.steps // 20) if args.steps else None}  # the switch at 5 % of a capped run
     result = comera_convert.train(str(work / "converted"), train_options("train-minilm-to-target", overrides),

@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 import comera_convert
+from comera_convert.conversion.calibration import DEFAULT_CALIBRATION  # what `comera convert` calibrates on
 from comera_convert.recipes import convert_options
 
 
@@ -27,7 +28,7 @@ def main() -> None:
 
     options = convert_options(None, {"ratio": args.ratio, "calibration_sequences": args.calibration_sequences})
     comera_convert.convert_checkpoint(args.model, work / "converted", options, overwrite=True,
-                                      default_calibration="english+python-stdlib")
+                                      default_calibration=DEFAULT_CALIBRATION)
     metrics = comera_convert.evaluate(str(work / "converted"), texts=args.texts, baselines=True)
     scored = {"comera --ratio " + f"{args.ratio:g}": metrics["domains"], **metrics["baselines"]}
     for name, domains in scored.items():
