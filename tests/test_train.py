@@ -896,7 +896,8 @@ def test_bad_input_is_a_clear_error(tmp_path, tokenizer, corpus, problem):
     expected = {"missing data": "no such file or directory", "empty data": "no text files",
                 "not compressed": "is not a compressed model", "mlm on gpt2": "gpt2 is causal",
                 "target below current": "is not above the model's current ratio",
-                "no gates": "no rank gates", "no tt layers": "no TT layers.*--word-embedding tt",
+                "no gates": "no rank gates",
+                "no tt layers": "no TT layers and no pruned feed-forward pairs.*--target-ratio",
                 "nothing to resume": "holds no checkpoint",
                 "fsdp without workers": "under torchrun with two or more processes",
                 "resume an fsdp run without it": "sharded across workers .* resume it with --fsdp"}[problem]
@@ -1145,7 +1146,7 @@ def _timed_controller(tmp_path, tokenizer, spent_seconds: float):
 def test_a_target_beyond_a_quarter_of_each_rank_lowers_the_floors_just_enough(tmp_path, tokenizer):
     from comera_convert.training.rank_control import RankController
 
-    path = compressed(tmp_path, tokenizer, ratio=2)
+    path = compressed(tmp_path, tokenizer, rank=8)  # every linear a gated pair: nothing left dense to open
     model, dense = comera_convert.from_pretrained(path), _dense_params(path)
     options = TrainOptions(steps=100).for_objective("mlm")
     ceilings = {}
@@ -1261,8 +1262,8 @@ def test_the_budget_closes_the_entries_the_loss_needs_least(tmp_path, tokenizer)
 @pytest.mark.parametrize("problem,expected", [
     ("at current", "target ratio 2 is not above the model's current ratio 2.0"),
     ("beyond floors", r"target ratio 1000 is beyond what the smallest ranks allow: \d+\.\d\dx with every bond at "
-                      r"its floor \(rank 1\), and \d\.\d\d M parameters outside the gates \(layers kept dense, "
-                      r"codebook tables, pruned feed-forward pairs\); ask for at most"),
+                      r"its floor \(rank 1\), and \d\.\d\d M parameters outside the gates \(embedding tables, "
+                      r"norms, biases, layers outside the blocks\); ask for at most"),
     ("no late stage", "needs a late stage to compress in: 16 steps with 16 early steps leave none")])
 def test_target_ratios_that_cannot_be_headed_for_are_refused(tmp_path, tokenizer, corpus, problem, expected):
     path = compressed(tmp_path, tokenizer, ratio=2)

@@ -77,13 +77,13 @@ SPECIAL_TOKENS = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS
                   "mask_token": "[MASK]"}
 
 
-def word_tokenizer():
-    """A word-level tokenizer over the tiny models' vocabulary: [PAD] (id 0, also the causal models'
-    end of text), the other special tokens, then the words w0, w1, ... split on whitespace."""
+def word_tokenizer(size: int = VOCAB):
+    """A word-level tokenizer over the tiny models' vocabulary (``size`` tokens): [PAD] (id 0, also the
+    causal models' end of text), the other special tokens, then the words w0, w1, ... split on whitespace."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     specials = list(SPECIAL_TOKENS.values())
-    words = [f"w{i}" for i in range(VOCAB - len(specials))]
+    words = [f"w{i}" for i in range(size - len(specials))]
     backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + words)}, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     return tf.PreTrainedTokenizerFast(tokenizer_object=backend, **SPECIAL_TOKENS)

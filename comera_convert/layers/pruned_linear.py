@@ -12,6 +12,11 @@ With integer storage (``--dtype int8|int4``) its weight is stored as every dense
 per row, or per group of a row's values); ``integer_format`` set, the forward pass runs on the
 weight rounded so (``fake_quantize``), as a TT layer's on its cores, so that reconstruction and
 training learn what the rounding keeps.
+
+While it trains with rank adaptation, the ``in`` side may carry a gate on its hidden neurons
+(``add_neuron_gate_``): a diagonal between the activation and ``down``, as CoMERA's gates sit on a TT
+bond, so that the budget closes neurons the way it closes ranks (``training/neuron_gates.py``). The
+export folds the gate into the weight and drops it (``fold_neuron_gate_``).
 """
 
 from __future__ import annotations
@@ -41,11 +46,35 @@ class PrunedLinear(nn.Linear):
             raise ValueError(expected(f"between 1 and {dense_features} kept {pruned} features", kept))
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.pruned, self.dense_features = pruned, dense_features
+        self.gates: nn.ParameterList | None = None  # one gate over the hidden neurons (``in`` side, training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.integer_format is None:
+        if self.integer_format is None and self.gates is None:
             return super().forward(x)
-        return F.linear(x, fake_quantize(self.weight, self.integer_format, 0), self.bias)
+        return F.linear(x, self.gated_weight(), self.bias)
+
+    def gated_weight(self) -> torch.Tensor:
+        """The weight with the neuron gate folded into its columns (rounded to ``integer_format`` when set):
+        what the forward pass multiplies by. A column is a neuron's weight, so gating the weight is gating
+        the neuron, at the cost of one product the size of the weight rather than of the activations."""
+        weight = self.weight if self.gates is None else self.weight * self.gates[0]
+        return weight if self.integer_format is None else fake_quantize(weight, self.integer_format, 0)
+
+    def add_neuron_gate_(self) -> None:
+        """Give the ``in`` side a gate of ones over its hidden neurons (the pair computes what it did)."""
+        if self.pruned != "in":
+            raise ValueError(expected("the in side of a pruned pair (down) to carry the neuron gate", self.pruned))
+        if self.gates is None:
+            gate = torch.ones(self.in_features, device=self.weight.device, dtype=self.weight.dtype)
+            self.gates = nn.ParameterList([nn.Parameter(gate)])
+
+    @torch.no_grad()
+    def fold_neuron_gate_(self) -> None:
+        """Fold the gate into the weight's columns and drop it: a plain pruned layer computing the same."""
+        if self.gates is not None:
+            self.weight.mul_(self.gates[0])
+            del self.gates
+            self.gates = None
 
     @property
     def kept(self) -> int:
@@ -67,4 +96,5 @@ class PrunedLinear(nn.Linear):
         return dense
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, {self.kept} of {self.dense_features} hidden neurons kept"
+        gated = ", gated" if self.gates is not None else ""
+        return f"{super().extra_repr()}, {self.kept} of {self.dense_features} hidden neurons kept{gated}"

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..conversion.targets import find_blocks
 from ..hf.loading import dense_linear
+from ..layers import PrunedLinear
 from ..layers.swap import set_submodule
 from ..layers.tt_linear import TTLinear, is_dense_linear
 from ..tt.counting import dense_params
@@ -26,12 +27,13 @@ OPENED_MODES = 1
 
 
 def dense_block_linears(model: nn.Module) -> list[str]:
-    """Names of the dense linears (nn.Linear, Conv1D) inside the model's stack of repeated blocks."""
+    """Names of the dense linears (nn.Linear, Conv1D) inside the model's stack of repeated blocks (a
+    pruned pair's layers are not: their hidden width is gated by neuron, ``neuron_gates.py``)."""
     blocks = find_blocks(model)
     if blocks is None:
         return []
     return [name for name, module in model.named_modules()
-            if name.startswith(blocks + ".") and is_dense_linear(module)]
+            if name.startswith(blocks + ".") and is_dense_linear(module) and not isinstance(module, PrunedLinear)]
 
 
 def stored_params(module: nn.Module) -> int:

@@ -1,7 +1,8 @@
 """CoMERA's rank control: model size from the gates, its surrogate, pruning, and the two stages.
 
 Size S (CoMERA Eq. 4): per TT layer, the sum over cores of n_k * r_{k-1} * r_k, where r counts
-the open (nonzero) entries of each bond's gate. Its differentiable surrogate R is the mean of
+the open (nonzero) entries of each bond's gate; a pruned feed-forward pair counts as two cores
+around one bond, its hidden neurons (``neuron_gates.py``). Its differentiable surrogate R is the mean of
 |g| over the open entries (an l1 relaxation). Early stage: minimize L + beta * R. Late stage:
 drive towards a target (L0, S0) along the subgradient of max{(L - L0)/L, (S - S0)/S}: the
 size term when size is the worse-off objective, the task loss otherwise, plus a small
@@ -30,9 +31,10 @@ from ..conversion import count_params
 from ..conversion.targets import last_block_prefix
 from ..errors import ConfigError
 from ..hf.config import integer_format_of
-from ..layers import PrunedLinear, TTModule
+from ..layers import TTModule
 from .budget import (FALLBACK_KEPT_SHARES, MIN_KEPT_SHARE, ModuleBonds, bond_floor, choose_closures,
                      scheduled_size)
+from .neuron_gates import NeuronBond, attach_neuron_gates, neuron_bonds
 from .opening import dense_block_linears, open_dense_layers
 
 logger = logging.getLogger("comera_convert.training")
@@ -47,12 +49,23 @@ TARGET_TOLERANCE = 0.02
 MIN_LATE_STEPS = 20
 
 
-def gated_modules(model: nn.Module) -> list[tuple[str, TTModule]]:
+def gated_tt_layers(model: nn.Module) -> list[tuple[str, TTModule]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, TTModule) and m.gates is not None]
 
 
-def physical_sizes(module: TTModule) -> list[int]:
-    """Per core, the product of its physical (non-rank) dimensions."""
+def gated_modules(model: nn.Module) -> list[tuple[str, TTModule | NeuronBond]]:
+    """Every bond the budget can close, in the model's order: the gated TT layers and the gated
+    pruned pairs (by the name of their down side)."""
+    bonds = dict(neuron_bonds(model))
+    return [(n, bonds.get(n, m)) for n, m in model.named_modules()
+            if (isinstance(m, TTModule) and m.gates is not None) or n in bonds]
+
+
+def physical_sizes(module: TTModule | NeuronBond) -> list[int]:
+    """Per core, the product of its physical (non-rank) dimensions (per side of a pruned pair: what one
+    neuron holds there)."""
+    if isinstance(module, NeuronBond):
+        return module.physical_sizes()
     return [math.prod(shape[1:-1]) for shape in module.spec.core_shapes()]
 
 
@@ -61,6 +74,14 @@ def module_size(module: TTModule, ranks: tuple[int, ...] | None = None) -> int:
     ``ranks``."""
     open_ranks = (1,) + (module.ranks if ranks is None else tuple(ranks)) + (1,)
     return sum(n * open_ranks[k] * open_ranks[k + 1] for k, n in enumerate(physical_sizes(module)))
+
+
+def exported_gates(module: TTModule | NeuronBond, ranks: tuple[int, ...] | None = None) -> int:
+    """Gate entries the export keeps at the open ranks (or at ``ranks``): a TT layer's, one per open
+    index; none of a pruned pair's, whose gate is folded into its down layer."""
+    if isinstance(module, NeuronBond):
+        return 0
+    return sum(module.ranks if ranks is None else ranks)
 
 
 def whole_multiples(closing: torch.Tensor, is_open: torch.Tensor, gate: torch.Tensor,
@@ -105,32 +126,29 @@ def _close_masked(module: TTModule, masks: list[torch.Tensor]) -> None:
 
 
 class RankController:
-    """Gates of every TT module of a model: size, surrogate, pruning and the staged objective."""
+    """Gates of every bond of a model (TT ranks, pruned pairs' neurons): size, surrogate, pruning and the
+    staged objective."""
 
     def __init__(self, model: nn.Module, options, dense_params: int):
         options.require_resolved("RankController")
-        self.modules = gated_modules(model)
-        if not self.modules and not any(isinstance(m, TTModule) for m in model.modules()):
-            raise ConfigError("the model has no TT layers, so CoMERA's rank adaptation has no ranks to adapt: "
-                              "convert it with TT layers (a higher --ratio, or --word-embedding tt)")
-        if not self.modules:
+        if any(isinstance(m, TTModule) for m in model.modules()) and not gated_tt_layers(model):
             raise ConfigError("the model has no rank gates, so CoMERA's rank adaptation cannot run: "
                               "convert it with gates (leave out --no-gates)")
         self.model = model
         self.options = options
         self.dense_params = dense_params
         self.state = RankState()
+        # Every pruned feed-forward pair's hidden width is a bond too (neuron_gates.py).
+        self.gated_pairs = attach_neuron_gates(model)
+        self.modules = gated_modules(model)
         # Dense linears of the blocks made gated pairs because the target ratio lay beyond the gates (opening.py).
         self.opened: list[str] = []
-        pruned = 0  # pruned pairs have no gates: counted where a target would shrink the layers
-        if options.target_ratio is not None:
-            pruned = sum(isinstance(m, PrunedLinear) for m in model.modules())
-        if pruned:
-            logger.warning("%d pruned feed-forward layers (--ffn prune, the default where calibrated) keep their "
-                           "neurons: --target-ratio shrinks only the other layers (convert with --ffn low-rank for "
-                           "rank gates on the feed-forward pairs too)", pruned)
         if options.target_ratio is not None and not self.reachable(options.target_ratio):
             self.open_to_gates(options.target_ratio)
+        if not self.modules:
+            raise ConfigError("the model has no TT layers and no pruned feed-forward pairs, so CoMERA's rank "
+                              "adaptation has nothing to adapt: give --target-ratio (the dense layers of its blocks "
+                              "then open to the gates), or convert it with TT layers (--word-embedding tt)")
         # With --minutes the trainer hands its WallClock here: the stages and the budget then follow the
         # run's progress in time as well as in steps, as the learning rate does (wall_clock.py).
         self.clock = None
@@ -160,7 +178,7 @@ class RankController:
         total = count_params(self.model)  # a codebook table's codes included
         for _, module in self.modules:
             stored = sum(c.numel() for c in module.cores) + sum(g.numel() for g in module.gates)
-            total += module_size(module) + sum(module.ranks) - stored
+            total += module_size(module) + exported_gates(module) - stored
         return total
 
     def ratio(self) -> float:
@@ -191,7 +209,11 @@ class RankController:
         for share in (MIN_KEPT_SHARE, *FALLBACK_KEPT_SHARES):
             self.kept_share, self.floors = share, self.floors_at(share)
             if self.ceiling() >= target_ratio:
-                if share < MIN_KEPT_SHARE:
+                if share == 0:
+                    logger.warning("target ratio %g needs every bond open to rank 1 and every pruned pair to one "
+                                   "neuron (a sixteenth of each would stop short): layers may be all but cut off; "
+                                   "a lower --target-ratio keeps more", target_ratio)
+                elif share < MIN_KEPT_SHARE:
                     logger.info("target ratio %g: bonds may close down to %s (a quarter of each rank would "
                                 "stop short)", target_ratio, self.floor_description())
                 return
@@ -202,7 +224,8 @@ class RankController:
         total = self.model_params()
         for (_, module), floors in zip(self.modules, self.floors if bond_floors is None else bond_floors):
             floors = tuple(min(f, r) for f, r in zip(floors, module.ranks))
-            total += module_size(module, floors) + sum(floors) - module_size(module) - sum(module.ranks)
+            total += (module_size(module, floors) + exported_gates(module, floors)
+                      - module_size(module) - exported_gates(module))
         return total
 
     def ceiling(self, bond_floors: list[list[int]] | None = None) -> float:
@@ -210,8 +233,9 @@ class RankController:
         return self.dense_params / self.floor_params(bond_floors)
 
     def reachable(self, target_ratio: float) -> bool:
-        """Whether the gates can reach ``target_ratio`` at all: with every bond at its lowest floor."""
-        return self.ceiling(self.floors_at(FALLBACK_KEPT_SHARES[-1])) >= target_ratio
+        """Whether the gates reach ``target_ratio`` with every bond kept at a quarter of its rank (closing
+        more of fewer layers keeps less than spreading the cut over the layers the conversion left dense)."""
+        return bool(self.modules) and self.ceiling(self.floors_at(MIN_KEPT_SHARE)) >= target_ratio
 
     def open_to_gates(self, target_ratio: float) -> None:
         """Make the dense linears of the blocks gated full-rank pairs (``opening.py``), so that the
@@ -236,14 +260,14 @@ class RankController:
         if target_ratio > ceiling:
             raise ConfigError(f"target ratio {target_ratio:g} is beyond what the smallest ranks allow: "
                               f"{ceiling:.2f}x with every bond at its floor ({self.floor_description()}), "
-                              f"and {self.ungated_params() / 1e6:.2f} M parameters outside the gates (layers "
-                              f"kept dense, codebook tables, pruned feed-forward pairs); ask for at most "
+                              f"and {self.ungated_params() / 1e6:.2f} M parameters outside the gates (embedding "
+                              f"tables, norms, biases, layers outside the blocks); ask for at most "
                               f"{ceiling:.2f}, or convert at a "
                               "higher --ratio first")
 
     def ungated_params(self) -> int:
         """Parameters no gate can shrink: everything but the gated modules' cores and gates."""
-        gated = sum(module_size(m) + sum(m.ranks) for _, m in self.modules)
+        gated = sum(module_size(m) + exported_gates(m) for _, m in self.modules)
         return self.model_params() - gated
 
     def floor_description(self) -> str:

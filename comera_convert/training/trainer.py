@@ -33,7 +33,8 @@ from transformers import Trainer, TrainerCallback
 from ..errors import ComeraError
 from ..layers import PrunedLinear, TTModule
 from .objectives import task_loss
-from .rank_control import RankController, RankState
+from .neuron_gates import neuron_bonds, up_name
+from .rank_control import RankController, RankState, gated_modules
 from .rank_cuts import CUT_POINTS, cut_closed_ranks, points_reached
 from .reprojection import GRAM_EVERY, GramRecorder, reproject
 from .wall_clock import WallClock, wall_time_scheduler
@@ -74,10 +75,9 @@ def truncated_copy(model, fold: bool):
     """A copy of the model with closed ranks physically removed, and the kept indices per module."""
     export = copy.deepcopy(model)
     kept = {}
-    for name, module in export.named_modules():
-        if isinstance(module, TTModule) and module.gates is not None:
-            kept[name] = [idx.tolist() for idx in module.kept_indices()]
-            module.prune_ranks(fold=fold)
+    for name, module in gated_modules(export):  # TT layers and pruned pairs' neuron gates alike
+        kept[name] = [idx.tolist() for idx in module.kept_indices()]
+        module.prune_ranks(fold=fold)
     config = getattr(getattr(export, "config", None), "quantization_config", None)
     if config is not None and hasattr(config, "attach"):
         config.attach(export)  # the copy's records must describe the copy
@@ -251,8 +251,11 @@ def load_truncated_checkpoint(model, checkpoint: str) -> None:
     saved = json.loads(state_path.read_text())
     kept, bond_dims = saved["kept"], saved.get("bond_dims", {})
     tensors = load_file(str(Path(checkpoint) / "model.safetensors"))
+    for name, bond in neuron_bonds(model):
+        if name in kept:
+            bond.restore_(tensors, (up_name(model, name), name), kept[name][0], bond_dims.get(name, bond.bond_dims)[0])
     for name, module in model.named_modules():
-        if name not in kept:
+        if name not in kept or not isinstance(module, TTModule):
             continue
         if name in bond_dims and tuple(bond_dims[name]) != module.bond_dims:
             module.resize_bonds_(bond_dims[name])
