@@ -160,3 +160,25 @@ def test_the_bench_script_keeps_each_share_with_its_error():
                      "speed_vs_dense": 3.3, "ranks": "1,2", "kept_english": {"value": 0.991, "error": 0.025},
                      "kept_man": {"value": 0.956, "error": 0.02}}
     assert ("kept_man", "man kept", ".3f") in bench.columns_of(list(cells))
+
+
+def test_the_side_by_side_script_reads_each_run_and_its_last_quarter(tmp_path):
+    side_by_side = script("side_by_side")
+    assert side_by_side.split_run("--ratio 2 => --recipe r --target-ratio 4") == ("--ratio 2",
+                                                                                 "--recipe r --target-ratio 4")
+    with pytest.raises(SystemExit, match="'CONVERT OPTIONS => TRAIN OPTIONS', got '--ratio 2'"):
+        side_by_side.split_run("--ratio 2")
+    # 40 steps, the first 30 at 1 s, the last quarter at 0.5 s a step.
+    history = [{"step": s, "seconds": float(min(s, 30)) + 0.5 * max(0, s - 30), "ratio": 4.0} for s in range(1, 41)]
+    assert side_by_side.last_quarter_step_seconds(history) == pytest.approx(0.5)
+    assert side_by_side.last_quarter_step_seconds(history[:5]) is None  # too short to have a last quarter
+    trained = tmp_path / "trained"
+    trained.mkdir()
+    (trained / "comera_report.json").write_text(json.dumps({"extra": {"training": {
+        "steps": 40, "held_out_loss_after": 0.31234, "ratio_reached": 4.0123}}}))
+    (trained / "comera_history.json").write_text(json.dumps(history))
+    point = {"bytes": 2 ** 20, "kept": {"english": 0.97}, "kept_error": {"english": 0.02}, "mean_kept": 0.97,
+             "mean_kept_error": 0.02}
+    row = side_by_side.row_of("a run", trained, point, {"dense_bytes": 4 * 2 ** 20, "domains": ["english"]})
+    assert row == {"label": "a run", "steps": 40, "loss": 0.312, "ratio": 4.01, "fewer": 4.0, "step_seconds": 0.5,
+                   "english": {"value": 0.97, "error": 0.02}, "mean": {"value": 0.97, "error": 0.02}}

@@ -3,11 +3,11 @@
     python examples/jobs/ratio_after_converting.py --ratio 2 --target-ratio 4
 
 The same with the command line:
-    comera convert minilm --ratio 2 --ffn low-rank --out minilm-tt2
-    comera train minilm-tt2 --recipe train-minilm-to-target --target-ratio 4 --out minilm-2to4
-Low-rank feed-forward pairs (`--ffn low-rank`) carry rank gates; pruned ones do not. Where the dense
-model is at hand, converting at the final ratio and distilling keeps as much or more: this route is
-for choosing the ratio later, from the training loss.
+    comera convert minilm --ratio 2 --out minilm-2x
+    comera train minilm-2x --recipe train-minilm-to-target --target-ratio 4 --out minilm-2to4
+The budget closes TT ranks, pruned feed-forward pairs' neurons and the directions of layers the
+conversion left dense alike. BENCHMARKS.md (rank adaptation) compares it with converting at the
+final ratio and distilling for the same minutes.
 """
 
 import argparse
@@ -31,8 +31,7 @@ def main() -> None:
     args = parser.parse_args()
     work = args.out or Path(tempfile.mkdtemp(prefix="target-"))
 
-    options = convert_options(None, {"ratio": args.ratio, "ffn": "low-rank",
-                                     "calibration_sequences": args.calibration_sequences})
+    options = convert_options(None, {"ratio": args.ratio, "calibration_sequences": args.calibration_sequences})
     comera_convert.convert_checkpoint(args.model, work / "converted", options, overwrite=True,
                                       default_calibration=DEFAULT_CALIBRATION)
     overrides = {"target_ratio": args.target_ratio, "minutes": args.minutes, "steps": args.steps,
