@@ -146,9 +146,13 @@ class RankController:
         if options.target_ratio is not None and not self.reachable(options.target_ratio):
             self.open_to_gates(options.target_ratio)
         if not self.modules:
+            remedy = ("give --target-ratio (the dense layers of its blocks then open to the gates)"
+                      if options.target_ratio is None else
+                      "no dense layer could open to the gates (an integer checkpoint, or a model without a stack of "
+                      "blocks, keeps its layers as they are)")
             raise ConfigError("the model has no TT layers and no pruned feed-forward pairs, so CoMERA's rank "
-                              "adaptation has nothing to adapt: give --target-ratio (the dense layers of its blocks "
-                              "then open to the gates), or convert it with TT layers (--word-embedding tt)")
+                              f"adaptation has nothing to adapt: {remedy}, or convert it with TT layers "
+                              "(--word-embedding tt)")
         # With --minutes the trainer hands its WallClock here: the stages and the budget then follow the
         # run's progress in time as well as in steps, as the learning rate does (wall_clock.py).
         self.clock = None
