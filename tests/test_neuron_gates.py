@@ -18,7 +18,7 @@ from comera_convert.conversion.targets import find_candidates
 from comera_convert.errors import ConfigError
 from comera_convert.layers import PrunedLinear, TTModule
 from comera_convert.training import TrainOptions, train
-from comera_convert.training.neuron_gates import NeuronBond, attach_neuron_gates, neuron_bonds, up_name
+from comera_convert.training.neuron_gates import NeuronBond, attach_neuron_gates, neuron_bonds, pruned_pairs
 from comera_convert.training.rank_control import RankController
 from comera_convert.training.trainer import STATE_FILE, load_truncated_checkpoint, truncated_copy
 
@@ -141,11 +141,11 @@ def test_a_training_checkpoint_of_a_cut_pair_restores_it_at_its_width(converted)
     truncated, kept = truncated_copy(model, fold=False)
     tensors = {k: v.clone() for k, v in truncated.state_dict().items()}
     fresh, [(_, restored)] = _gated(converted)
-    restored.restore_(dict(tensors), (up_name(model, name), name), kept[name][0], bond.bond_dims[0])
+    restored.restore_(dict(tensors), (pruned_pairs(model)[0][0], name), kept[name][0], bond.bond_dims[0])
     for mine, theirs in zip(restored.cores + restored.gates, bond.cores + bond.gates):
         torch.testing.assert_close(mine, theirs)
     with pytest.raises(Exception, match="kept neurons of 3"):
-        _gated(converted)[1][0][1].restore_(dict(tensors), (up_name(model, name), name), kept[name][0], 3)
+        _gated(converted)[1][0][1].restore_(dict(tensors), (pruned_pairs(model)[0][0], name), kept[name][0], 3)
 
 
 def test_the_budget_counts_a_neuron_as_its_row_its_bias_and_its_column(converted):

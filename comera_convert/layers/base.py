@@ -308,12 +308,12 @@ class TTModule(InferenceCache):
         for k, (param, small) in enumerate(zip(self.cores, cores)):
             full = small.to(param)
             if k > 0:
-                full = _expand_axis(full, kept[k - 1], param.shape[0], 0)
+                full = expand_axis(full, kept[k - 1], param.shape[0], 0)
             if k < last:
-                full = _expand_axis(full, kept[k], param.shape[-1], param.dim() - 1)
+                full = expand_axis(full, kept[k], param.shape[-1], param.dim() - 1)
             param.copy_(full)
         for gate, small, idx in zip(self.gates, gates, kept):
-            gate.copy_(_expand_axis(small.to(gate), idx, gate.shape[0], 0))
+            gate.copy_(expand_axis(small.to(gate), idx, gate.shape[0], 0))
 
     def resize_bonds_(self, ranks) -> None:
         """New, uninitialized cores (and open gates) with these bond sizes, exactly as given: for
@@ -343,7 +343,7 @@ def cut_core(core: torch.Tensor, k: int, keep: list[torch.Tensor]) -> torch.Tens
     return core
 
 
-def _expand_axis(tensor: torch.Tensor, index: torch.Tensor, size: int, axis: int) -> torch.Tensor:
+def expand_axis(tensor: torch.Tensor, index: torch.Tensor, size: int, axis: int) -> torch.Tensor:
     """A zero tensor of ``size`` along ``axis`` holding ``tensor`` at positions ``index``."""
     shape = list(tensor.shape)
     shape[axis] = size

@@ -21,7 +21,7 @@ from torch import nn
 from ..conversion.pruning import pruned_partner
 from ..errors import ComeraError, expected
 from ..layers import PrunedLinear
-from ..layers.base import listed, placed_like
+from ..layers.base import expand_axis, listed, placed_like
 
 
 class NeuronBond:
@@ -123,31 +123,26 @@ class NeuronBond:
                   "up.bias": (self.up.bias, 0)}
         for key, small in saved.items():
             param, axis = placed[key]
-            shape = list(small.shape)
-            shape[axis] = width
-            full = small.new_zeros(shape).index_copy_(axis, index, small)
-            param.data = full.to(device=param.device, dtype=param.dtype)
+            param.data = expand_axis(small, index, width, axis).to(device=param.device, dtype=param.dtype)
         self._set_width(width)
+
+
+def pruned_pairs(model: nn.Module) -> list[tuple[str, str, PrunedLinear, PrunedLinear]]:
+    """(up's name, down's name, up, down) of every pruned pair of the model, in the model's order."""
+    modules = dict(model.named_modules())
+    return [(up_name, name, modules[up_name], module) for name, module in modules.items()
+            if isinstance(module, PrunedLinear) and module.pruned == "in"
+            and (up_name := pruned_partner(name, modules)) is not None]
 
 
 def attach_neuron_gates(model: nn.Module) -> int:
     """Give every pruned pair of the model a neuron gate (on its down side); returns how many pairs."""
-    count = 0
-    modules = dict(model.named_modules())
-    for name, module in modules.items():
-        if isinstance(module, PrunedLinear) and module.pruned == "in" and pruned_partner(name, modules):
-            module.add_neuron_gate_()
-            count += 1
-    return count
+    pairs = pruned_pairs(model)
+    for _, _, _, down in pairs:
+        down.add_neuron_gate_()
+    return len(pairs)
 
 
 def neuron_bonds(model: nn.Module) -> list[tuple[str, NeuronBond]]:
     """(down's name, its bond) for every pruned pair whose down carries a neuron gate, in the model's order."""
-    modules = dict(model.named_modules())
-    return [(name, NeuronBond(modules[pruned_partner(name, modules)], module)) for name, module in modules.items()
-            if isinstance(module, PrunedLinear) and module.gates is not None and pruned_partner(name, modules)]
-
-
-def up_name(model: nn.Module, down_name: str) -> str:
-    """The name of the up side of the pair whose down is ``down_name``."""
-    return pruned_partner(down_name, dict(model.named_modules()))
+    return [(name, NeuronBond(up, down)) for _, name, up, down in pruned_pairs(model) if down.gates is not None]

@@ -33,7 +33,7 @@ from transformers import Trainer, TrainerCallback
 from ..errors import ComeraError
 from ..layers import PrunedLinear, TTModule
 from .objectives import task_loss
-from .neuron_gates import neuron_bonds, up_name
+from .neuron_gates import NeuronBond, pruned_pairs
 from .rank_control import RankController, RankState, gated_modules
 from .rank_cuts import CUT_POINTS, cut_closed_ranks, points_reached
 from .reprojection import GRAM_EVERY, GramRecorder, reproject
@@ -251,9 +251,10 @@ def load_truncated_checkpoint(model, checkpoint: str) -> None:
     saved = json.loads(state_path.read_text())
     kept, bond_dims = saved["kept"], saved.get("bond_dims", {})
     tensors = load_file(str(Path(checkpoint) / "model.safetensors"))
-    for name, bond in neuron_bonds(model):
+    for up_name, name, up, down in pruned_pairs(model):
         if name in kept:
-            bond.restore_(tensors, (up_name(model, name), name), kept[name][0], bond_dims.get(name, bond.bond_dims)[0])
+            bond = NeuronBond(up, down)
+            bond.restore_(tensors, (up_name, name), kept[name][0], bond_dims.get(name, bond.bond_dims)[0])
     for name, module in model.named_modules():
         if name not in kept or not isinstance(module, TTModule):
             continue
