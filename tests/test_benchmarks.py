@@ -182,3 +182,37 @@ def test_the_side_by_side_script_reads_each_run_and_its_last_quarter(tmp_path):
     row = side_by_side.row_of("a run", trained, point, {"dense_bytes": 4 * 2 ** 20, "domains": ["english"]})
     assert row == {"label": "a run", "steps": 40, "loss": 0.312, "ratio": 4.01, "fewer": 4.0, "step_seconds": 0.5,
                    "english": {"value": 0.97, "error": 0.02}, "mean": {"value": 0.97, "error": 0.02}}
+
+
+def test_the_attention_units_script_closes_heads_and_ranks_to_the_parameters_it_reports():
+    torch = pytest.importorskip("torch")
+    from transformers import BertConfig, BertModel
+
+    units = script("attention_units")
+    config = BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = BertModel(config).eval()
+    batches = [{"input_ids": torch.randint(0, 50, (4, 12)), "attention_mask": torch.ones(4, 12, dtype=torch.long)}]
+    total = units.attention_parameters(model)
+    found = units.grams(model, batches)
+    svds = {(i, name): units.whitened_svd(linear.weight, found[(i, "output" if name == "output" else "input")])
+            for i, block in enumerate(units.attention_blocks(model)) for name, linear in units.linears(block).items()}
+    query = model.encoder.layer[0].attention.self.query
+    full = units.whitened_svd(query.weight, found[(0, "input")])
+    rebuilt = (full[0] * full[1]) @ full[2] @ full[3]
+    assert torch.allclose(rebuilt.float(), query.weight, atol=1e-4)  # all ranks kept: the weight itself
+
+    ranked = BertModel(config).eval()
+    ranked.load_state_dict(model.state_dict())
+    held = units.compress_ranks(ranked, svds, 0.25, uniform=False)
+    assert held <= 0.25 * total
+    assert torch.linalg.matrix_rank(ranked.encoder.layer[0].attention.self.query.weight) < 32
+
+    importance = {(i, h): float(4 * i + h) for i in range(2) for h in range(4)}  # head (0, 0) matters least
+    headless = BertModel(config).eval()
+    headless.load_state_dict(model.state_dict())
+    held = units.compress_heads(headless, importance, 0.75, uniform=False)
+    assert held == total - 2 * units.head_parameters(model)
+    output = headless.encoder.layer[0].attention.output.dense.weight
+    assert output[:, :8].abs().sum() == 0 and output[:, 8:].abs().sum() > 0  # head 0 of 8 columns closed
