@@ -25,7 +25,7 @@ SKIPPED = ("case", "device", "dtype")  # said once, in the title and the machine
 HEADERS = {"method": "method", "shape": "shape", "batch": "batch", "ms": "ms", "tokens_per_s": "tokens/s",
            "peak_mb": "peak MB", "speedup": "vs dense", "speed_vs_dense": "vs dense",
            "memory_vs_dense": "memory vs dense", "sentences_per_s": "sentences/s", "params_ratio": "params ratio",
-           "flop_ratio": "FLOP ratio"}
+           "flop_ratio": "FLOP ratio", "file_mb": "file MB"}
 
 
 def flatten(row: dict) -> dict:

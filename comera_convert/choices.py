@@ -40,5 +40,7 @@ LATE_OBJECTIVES = ("min-max", "task")
 # its language-model head): bert-base as a masked LM, CoMERA's pre-training setting, and
 # TinyLlama's shape as a causal LM, the size where the linears' GEMMs, not the host, dominate a
 # GPU's step.
-BENCH_CASES = ("layer", "embedding", "train-step", "convert", "inference")
+BENCH_CASES = ("layer", "embedding", "train-step", "convert", "inference", "serving")
+INT8_ARCHES = ("avx512_vnni", "avx512", "avx2", "arm64")  # the CPUs sentence-transformers names int8 graphs after
+CHECKPOINT_CASES = ("inference", "serving")  # the cases --checkpoint measures; serving needs one
 TRAIN_MODELS = ("bert-base", "llama-1.1b")

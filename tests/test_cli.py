@@ -58,6 +58,9 @@ def test_the_option_lists_are_the_ones_the_library_acts_on():
     from comera_convert.training import objectives
 
     assert tuple(bench.CASES) == choices.BENCH_CASES
+    from comera_convert.hf import onnx_int8
+
+    assert onnx_int8.ARCHES == choices.INT8_ARCHES
     assert set(objectives.STATE_DISTANCES) == set(choices.DISTILL_STATES)
 
 

@@ -172,8 +172,31 @@ def test_bench_checkpoint_options_refuse_what_does_not_go_together(tmp_path):
     runner = CliRunner()
     result = runner.invoke(main, ["bench", "layer", "--checkpoint", str(tmp_path), "--quick"])
     assert result.exit_code == 1
-    assert "--checkpoint measures the inference case, and the cases are layer" in result.output
+    assert "--checkpoint measures the inference and serving cases, and the cases are layer" in result.output
     result = runner.invoke(main, ["bench", "inference", "--reference", "x", "--quick"])
     assert result.exit_code == 1 and "--reference, --pairs and --compile go with --checkpoint" in result.output
     result = runner.invoke(main, ["bench", "inference", "--compile", "--quick"])
     assert result.exit_code == 1 and "--reference, --pairs and --compile go with --checkpoint" in result.output
+
+
+def test_bench_serving_adds_onnx_runtime_float_and_int8_for_both_models(tmp_path):
+    pytest.importorskip("onnxruntime")
+    checkpoint, dense, pairs = _tiny_checkpoint(tmp_path)
+    result = CliRunner().invoke(main, ["bench", "serving", "--checkpoint", str(checkpoint), "--reference", str(dense),
+                                       "--pairs", str(pairs), "--texts", "12", "--repeats", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {row["method"]: row for row in json.loads(result.output)["rows"]}
+    assert list(rows)[4:] == ["dense, ONNX Runtime", "dense, ONNX Runtime int8 (sentence-transformers' quantization)",
+                              "comera, ONNX Runtime", "comera, ONNX Runtime int8"]
+    # the float graphs compute what PyTorch does: the same retrieval as their PyTorch models
+    assert rows["dense, ONNX Runtime"]["recall_kept"] == {"words": 1.0}
+    assert rows["comera, ONNX Runtime"]["recall_kept"] == rows["comera float32"]["recall_kept"]
+    assert all(row["case"] == "serving" and row["sentences_per_s"] > 0 for row in rows.values())
+    assert rows["comera, ONNX Runtime int8"]["file_mb"] < rows["comera, ONNX Runtime"]["file_mb"]
+    assert "file_mb" not in rows["dense"]
+
+
+def test_bench_serving_without_a_checkpoint_is_refused_in_one_line():
+    result = CliRunner().invoke(main, ["bench", "serving", "--quick"])
+    assert result.exit_code == 1
+    assert result.output.strip() == "error: the serving case measures a real checkpoint: give --checkpoint PATH"

@@ -1,6 +1,7 @@
 """ONNX export of compressed checkpoints: the graph stays compressed and onnxruntime agrees with PyTorch."""
 
 import math
+import re
 import subprocess
 import sys
 
@@ -40,7 +41,9 @@ def test_exported_graph_agrees_with_pytorch_on_new_shapes_and_stays_compressed(c
     model, path, dense_params = saved(case, tmp_path, layout=layout)
     result = export_onnx(str(path), tmp_path / "onnx")
     assert result.max_difference is not None and result.max_difference < 1e-4
-    session = ort.InferenceSession(str(result.out / "model.onnx"), providers=["CPUExecutionProvider"])
+    assert result.graphs == [tmp_path / "onnx" / "onnx" / "model.onnx"]  # where sentence-transformers looks
+    assert sorted(p.name for p in result.graphs[0].parent.iterdir()) == ["model.onnx"]  # weights inside
+    session = ort.InferenceSession(str(result.graphs[0]), providers=["CPUExecutionProvider"])
     batch = inputs(seed=5)  # another batch and length than the export's sample
     batch = {k: v[:, :7].repeat(2, 1)[:3] for k, v in batch.items()}
     got = session.run(None, {i.name: batch[i.name].numpy() for i in session.get_inputs()})[0]
@@ -51,7 +54,7 @@ def test_exported_graph_agrees_with_pytorch_on_new_shapes_and_stays_compressed(c
     # which the exporter folds into one vocab x width table.
     table = model.get_input_embeddings()
     folded = table.num_embeddings * table.embedding_dim if case == "gpt2-clm" and layout == "tt" else 0
-    assert stored_values(result.out / "model.onnx") < (0.6 if layout == "tt" else 0.9) * dense_params + folded
+    assert stored_values(result.graphs[0]) < (0.6 if layout == "tt" else 0.9) * dense_params + folded
     assert (layout == "ttm") == any("ttm" in note for note in result.notes)
     assert (result.out / "tokenizer.json").is_file()
     assert "quantization_config" not in (result.out / "config.json").read_text()
@@ -63,6 +66,11 @@ def test_requests_that_cannot_work_are_refused_before_writing(tmp_path):
         export_onnx(str(path), tmp_path / "a", opset=13)
     with pytest.raises(ConfigError, match="takes float32 or float16"):
         export_onnx(str(path), tmp_path / "b", dtype="bfloat16")
+    with pytest.raises(ConfigError, match="int8 quantization starts from the float32 graph"):
+        export_onnx(str(path), tmp_path / "b", dtype="float16", quantize="int8")
+    arch_error = "--arch: expected one of avx512_vnni, avx512, avx2, arm64 (got 'sse4')"
+    with pytest.raises(ConfigError, match=re.escape(arch_error)):
+        export_onnx(str(path), tmp_path / "b", quantize="int8", arch="sse4")
     _, bare, _ = saved("bert-mlm", tmp_path, tokenizer=False)
     with pytest.raises(ModelLoadError, match="ONNX export needs the model's tokenizer"):
         export_onnx(str(bare), tmp_path / "c")
@@ -77,5 +85,62 @@ def test_cli_exports_minilm_a_quarter_of_the_dense_size(tmp_path, minilm_tt4_pla
                            "--out", str(tmp_path / "onnx")], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "onnxruntime agrees with PyTorch" in done.stdout
-    exported = sum(f.stat().st_size for f in (tmp_path / "onnx").glob("model.onnx*"))
+    exported = (tmp_path / "onnx" / "onnx" / "model.onnx").stat().st_size
     assert exported < 0.3 * (packaged_minilm() / "model.safetensors").stat().st_size
+
+
+def sentence_folder(tmp_path):
+    """A converted tiny BERT saved as a sentence-transformers model: modules.json and a pooling folder."""
+    import json
+
+    model, path, _ = saved("bert", tmp_path)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    (path / "modules.json").write_text(json.dumps(modules))
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 32,
+                                                                "pooling_mode_mean_tokens": True}))
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 16}))
+    return model, path
+
+
+def test_int8_export_goes_into_the_checkpoint_as_sentence_transformers_names_it(tmp_path):
+    model, path = sentence_folder(tmp_path)
+    result = export_onnx(str(path), quantize="int8", arch="avx2")
+    assert result.out == path and result.notes == []
+    assert result.graphs == [path / "onnx" / "model.onnx", path / "onnx" / "model_qint8_avx2.onnx"]
+    assert result.graphs[1].stat().st_size < 0.8 * result.graphs[0].stat().st_size  # weights in int8, not all
+    batch = inputs(seed=3)
+    expected = outputs(model, batch)
+    session = ort.InferenceSession(str(result.graphs[1]), providers=["CPUExecutionProvider"])
+    got = torch.from_numpy(session.run(None, {i.name: batch[i.name].numpy() for i in session.get_inputs()})[0])
+    assert 0 < float((got - expected).norm() / expected.norm()) < 0.05  # rounded, yet the same function
+    assert 0 < result.int8_difference < 0.05
+    with pytest.raises(ConfigError, match="onnx exists: pass --overwrite to replace it, or give --out"):
+        export_onnx(str(path), quantize="int8", arch="avx2")
+    again = export_onnx(str(path), overwrite=True)  # replaced whole: the int8 graph goes with the old folder
+    assert sorted(p.name for p in (path / "onnx").iterdir()) == ["model.onnx"] and len(again.graphs) == 1
+
+
+def test_a_copy_holds_what_sentence_transformers_loads_and_no_pytorch_weights(tmp_path):
+    _, path = sentence_folder(tmp_path)
+    result = export_onnx(str(path), tmp_path / "served", quantize="int8", arch="avx512_vnni")
+    served = tmp_path / "served"
+    assert {p.name for p in served.iterdir()} >= {"modules.json", "1_Pooling", "sentence_bert_config.json",
+                                                   "config.json", "tokenizer.json", "onnx"}
+    assert not list(served.glob("*.safetensors")) and not (path / "onnx").exists()
+    assert (served / "1_Pooling" / "config.json").read_text() == (path / "1_Pooling" / "config.json").read_text()
+    assert "quantization_config" not in (served / "config.json").read_text()
+    assert [g.name for g in result.graphs] == ["model.onnx", "model_qint8_avx512_vnni.onnx"]
+    from transformers import AutoTokenizer  # the copy's tokenizer under a class name transformers 4 and 5 know
+
+    assert '"PreTrainedTokenizerFast"' in (served / "tokenizer_config.json").read_text()
+    text = "w11 w12 w13"
+    assert AutoTokenizer.from_pretrained(served)(text) == AutoTokenizer.from_pretrained(path)(text)
+
+
+def test_a_model_without_modules_json_is_exported_with_a_note_on_pooling(tmp_path):
+    _, path, _ = saved("bert", tmp_path)
+    result = export_onnx(str(path), tmp_path / "out")
+    assert result.notes == ["not a sentence-transformers model (no modules.json): the graphs give token states, "
+                            "and pooling is not in them"]

@@ -26,6 +26,7 @@ from itertools import zip_longest
 import torch
 
 from ..errors import ConfigError
+from .onnx_serving import graph_megabytes, onnx_methods
 
 BATCH = 32  # sentence-transformers' default encode batch
 SEQ_LEN = 256  # tokens a text is cut to (the longest MiniLM and MPNet sentence models embed)
@@ -106,10 +107,11 @@ def timed_rounds(models: dict, batches: list[dict], repeats: int) -> dict[str, f
 
 
 def serving_case(checkpoint: str, reference_name: str | None, pair_files, texts: int, repeats: int,
-                 progress=None, compile_models: bool = False) -> list[dict]:
+                 progress=None, compile_models: bool = False, onnx: bool = False) -> list[dict]:
     """One row per method: sentences a second, speed against dense, and recall@1 kept per pair domain
     (each of ``pair_files``, else the built-in english corpus's held-out pairs) with its standard
-    error; ``compile_models`` adds each method under ``torch.compile``."""
+    error; ``compile_models`` adds each method under ``torch.compile``, ``onnx`` the dense and the
+    compressed model in ONNX Runtime, float and int8 (``onnx_serving.py``)."""
     from ..evaluation import load_compared, pair_domain_name
     from ..retrieval import held_out_pairs, kept, model_retrieval, read_pairs
 
@@ -124,6 +126,8 @@ def serving_case(checkpoint: str, reference_name: str | None, pair_files, texts:
               OURS_INT8: int8_compute_copy(compared.compressed)}
     if compile_models:
         models.update({name + COMPILED: compiled(model) for name, model in list(models.items())})
+    if onnx:
+        models.update(onnx_methods(compared.reference, compared.compressed, compared.tokenizer, progress))
     domains = {}
     for file in pair_files:
         domains[pair_domain_name(file, domains)] = read_pairs(file, texts)
@@ -141,13 +145,20 @@ def serving_case(checkpoint: str, reference_name: str | None, pair_files, texts:
         quality[domain] = {name: kept(scores[eager_name(name)], scores[DENSE]) for name in models}
     tokens = sum(int(batch["attention_mask"].sum()) for batch in batches)
     shape = f"{compared.source}, {len(documents)} texts ({tokens / len(documents):.0f} tokens avg), batch {BATCH}"
-    return [{"case": "inference", "method": name, "device": "cpu", "dtype": "float32", "shape": shape,
+    return [{"case": "serving" if onnx else "inference", "method": name, "device": "cpu",
+             "dtype": "int8" if "int8" in name else "float32", "shape": shape,
+             **({"file_mb": graph_megabytes(models[name])} if graph_megabytes(models[name]) else {}),
              "sentences_per_s": round(len(documents) / seconds[name], 1),
              "speed_vs_dense": round(seconds[DENSE] / seconds[name], 2),
              "recall_kept": {domain: round(shares[name]["recall_kept"], 3) for domain, shares in quality.items()},
              "recall_kept_error": {domain: round(shares[name]["recall_kept_error"], 3)
                                    for domain, shares in quality.items()}}
             for name in models]
+
+
+def needs_a_checkpoint(*_) -> list[dict]:
+    """The serving case without a checkpoint: it measures a real one (``serving_case``)."""
+    raise ConfigError("the serving case measures a real checkpoint: give --checkpoint PATH")
 
 
 def interleaved(lists: list[list]) -> list:

@@ -8,13 +8,13 @@ from pathlib import Path
 import click
 
 from . import main
-from ..choices import BENCH_CASES as CASE_NAMES, TRAIN_MODELS
+from ..choices import BENCH_CASES as CASE_NAMES, CHECKPOINT_CASES, TRAIN_MODELS
 from .console import console, echo_json, progress_display
 
 COLUMNS = ("method", "shape", "tokens", "ranks", "params_ratio", "flop_ratio", "speedup", "speedup_per_flop_ratio",
            "graph_speedup", "graph_speedup_per_flop_ratio",
            "ms", "seconds", "tokens_per_s", "sentences_per_s", "peak_mb", "speed_vs_dense", "memory_vs_dense",
-           "speed_vs_galore", "memory_vs_galore", "time_vs_load_save", "recall_kept", "recall_kept_error",
+           "speed_vs_galore", "memory_vs_galore", "time_vs_load_save", "file_mb", "recall_kept", "recall_kept_error",
            "error")
 
 
@@ -38,7 +38,8 @@ COLUMNS = ("method", "shape", "tokens", "ranks", "params_ratio", "flop_ratio", "
 @click.option("--checkpoint", metavar="PATH",
               help="inference: a real compressed encoder's sentences a second on the CPU, beside its dense "
                    "source, int8 dynamic quantization of the dense model and int8 compute of its own, each "
-                   "with its retrieval recall@1 kept (instead of random bert-base).")
+                   "with its retrieval recall@1 kept (instead of random bert-base); serving: the same, and "
+                   "both models in ONNX Runtime, float and int8 as sentence-transformers quantizes (needs it).")
 @click.option("--reference", metavar="NAME", help="--checkpoint: the dense model [default: its recorded source].")
 @click.option("--pairs", "pair_files", multiple=True, type=click.Path(exists=True, dir_okay=False), metavar="FILE",
               help="--checkpoint: JSONL query/document pairs, a domain each (repeatable) [default: held-out "
@@ -50,7 +51,7 @@ COLUMNS = ("method", "shape", "tokens", "ranks", "params_ratio", "flop_ratio", "
                    "warm-up; needs a C++ compiler).")
 def bench(cases, quick, device, dtype, repeats, json_path, variants, model_name, checkpoint, reference, pair_files,
           texts, compile_models):
-    """Measure CASES (default: all): layer, embedding, train-step, convert, inference."""
+    """Measure CASES (default: all but serving): layer, embedding, train-step, convert, inference, serving."""
     import torch
 
     from .render import fitted
@@ -64,7 +65,9 @@ def bench(cases, quick, device, dtype, repeats, json_path, variants, model_name,
         device = "cuda" if torch.cuda.is_available() and not checkpoint else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available here")
-    cases = cases or CASE_NAMES
+    cases = cases or tuple(name for name in CASE_NAMES if name != "serving")
+    if "serving" in cases and not checkpoint:
+        raise ConfigError("the serving case measures a real checkpoint: give --checkpoint PATH")
     if variants:
         if "train-step" not in cases:
             raise ConfigError(f"--variant chooses train-step variants, and the cases are {', '.join(cases)}")
@@ -73,8 +76,9 @@ def bench(cases, quick, device, dtype, repeats, json_path, variants, model_name,
         raise ConfigError(f"--model chooses the train-step model, and the cases are {', '.join(cases)}")
     serving = None
     if checkpoint:
-        if "inference" not in cases:
-            raise ConfigError(f"--checkpoint measures the inference case, and the cases are {', '.join(cases)}")
+        if not set(CHECKPOINT_CASES) & set(cases):
+            raise ConfigError(f"--checkpoint measures the inference and serving cases, and the cases are "
+                              f"{', '.join(cases)}")
         if device != "cpu":
             raise ConfigError(f"--checkpoint measures CPU serving (int8 kernels run on the CPU), not --device {device}")
         serving = {"checkpoint": checkpoint, "reference_name": reference, "pair_files": pair_files, "texts": texts,

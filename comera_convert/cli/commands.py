@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from ..choices import ALLOCATIONS, FFN_METHODS, WORD_EMBEDDINGS
+from ..choices import ALLOCATIONS, FFN_METHODS, INT8_ARCHES, WORD_EMBEDDINGS
 from ..errors import ConfigError
 from ..models import TASK_CLASSES
 from . import main
@@ -321,21 +321,32 @@ def frontier(models, pair_files, texts, no_peers, plot, json_path):
 
 @main.command(name="export-onnx")
 @click.argument("model")
-@click.option("--out", type=click.Path(), required=True, help="Output folder (model.onnx, config, tokenizer).")
+@click.option("--out", type=click.Path(),
+              help="A copy of MODEL without its PyTorch weights to write into (config, tokenizer, sentence-"
+                   "transformers modules, onnx/); default: onnx/ inside MODEL.")
+@click.option("--quantize", type=click.Choice(["int8"]),
+              help="Also write onnx/model_qint8_ARCH.onnx, quantized as sentence-transformers quantizes its exports.")
+@click.option("--arch", type=click.Choice(INT8_ARCHES),
+              help="CPU the int8 graph is quantized for (its file name says which)  [default: this machine's]")
 @click.option("--opset", type=int, default=18, show_default=True, help="ONNX operator set (18 or later).")
 @click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True,
               help="Precision of the exported graph.")
-@click.option("--overwrite", is_flag=True, help="Replace a non-empty output folder.")
-def export_onnx(model, out, opset, dtype, overwrite):
-    """Export compressed MODEL to ONNX, still compressed, checked with onnxruntime against PyTorch."""
+@click.option("--overwrite", is_flag=True, help="Replace a non-empty --out folder, or MODEL's onnx/.")
+def export_onnx(model, out, quantize, arch, opset, dtype, overwrite):
+    """Export compressed MODEL to ONNX, still compressed, checked with onnxruntime against PyTorch; loads with
+    SentenceTransformer(folder, backend="onnx") where comera_convert is not installed."""
     from ..hf.onnx_export import export_onnx as run_export
 
     start = time.perf_counter()
     with progress_display() as progress:
-        result = run_export(model, out, opset=opset, dtype=dtype, overwrite=overwrite, progress=progress)
+        result = run_export(model, out, opset=opset, dtype=dtype, quantize=quantize, arch=arch, overwrite=overwrite,
+                            progress=progress)
     checked = ("not checked: onnxruntime is not installed" if result.max_difference is None
                else f"onnxruntime agrees with PyTorch to {result.max_difference:.1e}")
-    console().print(f"[green]wrote[/] {result.out / 'model.onnx'} (opset {result.opset}, output "
+    console().print(f"[green]wrote[/] {result.graphs[0]} (opset {result.opset}, output "
                     f"{result.output_name}; {checked}) in {time.perf_counter() - start:.1f} s", soft_wrap=True)
+    if result.int8_difference is not None:
+        console().print(f"[green]wrote[/] {result.graphs[1]} (int8; hidden states within "
+                        f"{result.int8_difference:.1%} of PyTorch's)", soft_wrap=True)
     for note in result.notes:
         console().print(f"[yellow]note:[/] {note}", soft_wrap=True)

@@ -1,0 +1,61 @@
+"""The ONNX Runtime side of `comera bench serving`: the dense and the compressed model exported as
+`comera export-onnx` exports them, float and int8, each behind the call a transformers encoder answers,
+so that the serving benchmark times and scores them beside the PyTorch methods.
+
+The dense model's int8 graph is quantized exactly as sentence-transformers'
+``export_dynamic_quantized_onnx_model`` quantizes its ONNX export (``hf/onnx_int8.py``): the int8
+route a sentence-transformers user takes for the dense model.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+DENSE_ONNX, DENSE_ONNX_INT8 = "dense, ONNX Runtime", "dense, ONNX Runtime int8 (sentence-transformers' quantization)"
+OURS_ONNX, OURS_ONNX_INT8 = "comera, ONNX Runtime", "comera, ONNX Runtime int8"
+
+
+class OnnxEncoder(nn.Module):
+    """An onnxruntime session answering ``model(input_ids=..., attention_mask=...).last_hidden_state``."""
+
+    def __init__(self, file: Path):
+        import onnxruntime
+
+        super().__init__()
+        self.megabytes = round(file.stat().st_size / 2 ** 20, 1)  # the session holds the graph: the file may go
+        self.session = onnxruntime.InferenceSession(str(file), providers=["CPUExecutionProvider"])
+        self.input_names = [i.name for i in self.session.get_inputs()]
+        # retrieval.embed() reads the device from a parameter: an empty one, on the CPU
+        self.anchor = nn.Parameter(torch.zeros(0), requires_grad=False)
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, **_):
+        given = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
+        feeds = {name: given[name].numpy() for name in self.input_names}
+        return SimpleNamespace(last_hidden_state=torch.from_numpy(self.session.run(None, feeds)[0]))
+
+
+def onnx_methods(reference: nn.Module, compressed: nn.Module, tokenizer, progress) -> dict[str, OnnxEncoder]:
+    """The four ONNX Runtime methods (their graphs written to a temporary folder, read, and removed)."""
+    from ..hf.onnx_export import write_graphs
+    from ..hf.onnx_int8 import require_onnxruntime, this_machine_arch
+
+    require_onnxruntime("comera bench serving")
+    arch = this_machine_arch()
+    methods = {}
+    for (float_name, int8_name), model, where in [((DENSE_ONNX, DENSE_ONNX_INT8), reference, "dense"),
+                                                  ((OURS_ONNX, OURS_ONNX_INT8), compressed, "comera")]:
+        progress(f"exporting the {where} model to ONNX, float32 and int8 for {arch}")
+        with tempfile.TemporaryDirectory(prefix="comera-serving-") as folder:
+            graphs = write_graphs(model, tokenizer, Path(folder), quantize="int8", arch=arch).graphs
+            methods[float_name], methods[int8_name] = OnnxEncoder(graphs[0]), OnnxEncoder(graphs[1])
+    return methods
+
+
+def graph_megabytes(model: nn.Module) -> float | None:
+    """The size of an ONNX method's graph file, None for a PyTorch method."""
+    return model.megabytes if isinstance(model, OnnxEncoder) else None
