@@ -174,9 +174,9 @@ def test_bench_checkpoint_options_refuse_what_does_not_go_together(tmp_path):
     assert result.exit_code == 1
     assert "--checkpoint measures the inference and serving cases, and the cases are layer" in result.output
     result = runner.invoke(main, ["bench", "inference", "--reference", "x", "--quick"])
-    assert result.exit_code == 1 and "--reference, --pairs and --compile go with --checkpoint" in result.output
+    assert result.exit_code == 1 and "--compile and --onnx-peer go with --checkpoint" in result.output
     result = runner.invoke(main, ["bench", "inference", "--compile", "--quick"])
-    assert result.exit_code == 1 and "--reference, --pairs and --compile go with --checkpoint" in result.output
+    assert result.exit_code == 1 and "--compile and --onnx-peer go with --checkpoint" in result.output
 
 
 def test_bench_serving_adds_onnx_runtime_float_and_int8_for_both_models(tmp_path):
@@ -194,6 +194,23 @@ def test_bench_serving_adds_onnx_runtime_float_and_int8_for_both_models(tmp_path
     assert all(row["case"] == "serving" and row["sentences_per_s"] > 0 for row in rows.values())
     assert rows["comera, ONNX Runtime int8"]["file_mb"] < rows["comera, ONNX Runtime"]["file_mb"]
     assert "file_mb" not in rows["dense"]
+
+
+def test_bench_serving_times_a_graph_made_elsewhere_beside_its_own(tmp_path):
+    pytest.importorskip("onnxruntime")
+    from comera_convert.hf.onnx_export import export_onnx
+
+    checkpoint, dense, pairs = _tiny_checkpoint(tmp_path)
+    peer = export_onnx(str(checkpoint), tmp_path / "peer").graphs[0]  # the compressed float graph, made apart
+    result = CliRunner().invoke(main, ["bench", "serving", "--checkpoint", str(checkpoint), "--reference", str(dense),
+                                       "--pairs", str(pairs), "--texts", "12", "--repeats", "1", "--json",
+                                       "--onnx-peer", str(peer)])
+    assert result.exit_code == 0, result.output
+    rows = {row["method"]: row for row in json.loads(result.output)["rows"]}
+    assert rows["peer: onnx/model.onnx"]["recall_kept"] == rows["comera, ONNX Runtime"]["recall_kept"]
+    refused = CliRunner().invoke(main, ["bench", "inference", "--checkpoint", str(checkpoint),
+                                        "--onnx-peer", str(peer)])
+    assert refused.exit_code == 1 and "--onnx-peer adds a graph to the serving case" in refused.output
 
 
 def test_bench_serving_without_a_checkpoint_is_refused_in_one_line():

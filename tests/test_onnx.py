@@ -144,3 +144,47 @@ def test_a_model_without_modules_json_is_exported_with_a_note_on_pooling(tmp_pat
     result = export_onnx(str(path), tmp_path / "out")
     assert result.notes == ["not a sentence-transformers model (no modules.json): the graphs give token states, "
                             "and pooling is not in them"]
+
+
+def test_int8_preparation_quantizes_a_weight_the_graph_computes_from_constants(tmp_path):
+    """A factor the exporter writes as a constant reshaped (or gated) inside the graph, multiplied by Gemm:
+    the plain quantizer leaves it float, the prepared graph has it in int8 and computes the same."""
+    import collections
+
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    from comera_convert.hf.onnx_int8 import quantize_int8
+
+    rng = np.random.default_rng(0)
+    core, bias = rng.standard_normal((2, 8, 6)).astype(np.float32), rng.standard_normal(6).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Reshape", ["core", "shape"], ["weight"]),
+         helper.make_node("Gemm", ["x", "weight", "bias"], ["y"])], "factor",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 6])],
+        [numpy_helper.from_array(core, "core"), numpy_helper.from_array(np.array([16, 6], np.int64), "shape"),
+         numpy_helper.from_array(bias, "bias")])
+    source = tmp_path / "factor.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), str(source))
+    x = rng.standard_normal((5, 16)).astype(np.float32)
+    expected = x @ core.reshape(16, 6) + bias
+    quantized = {}
+    for prepare in (False, True):
+        file = tmp_path / f"int8-{prepare}.onnx"
+        quantize_int8(source, file, "avx512_vnni", prepare=prepare)
+        quantized[prepare] = collections.Counter(node.op_type for node in onnx.load(str(file)).graph.node)
+        got = ort.InferenceSession(str(file), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+        assert np.abs(got - expected).max() < 0.05 * np.abs(expected).max()
+    assert quantized[False]["MatMulInteger"] == 0 and quantized[False]["MatMul"] + quantized[False]["Gemm"] == 1
+    assert quantized[True]["MatMulInteger"] == 1 and quantized[True]["MatMul"] + quantized[True]["Gemm"] == 0
+
+
+def test_the_export_uses_plain_attention_and_gives_the_model_back_as_it_was(tmp_path):
+    from comera_convert.hf.onnx_export import eager_attention
+
+    model, _, _ = saved("bert", tmp_path)
+    model.set_attn_implementation("sdpa")
+    with eager_attention(model):
+        assert model.config._attn_implementation == "eager"
+    assert model.config._attn_implementation == "sdpa"

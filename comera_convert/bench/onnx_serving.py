@@ -3,8 +3,10 @@
 so that the serving benchmark times and scores them beside the PyTorch methods.
 
 The dense model's int8 graph is quantized exactly as sentence-transformers'
-``export_dynamic_quantized_onnx_model`` quantizes its ONNX export (``hf/onnx_int8.py``): the int8
-route a sentence-transformers user takes for the dense model.
+``export_dynamic_quantized_onnx_model`` quantizes its ONNX export (``hf/onnx_int8.py``, without the
+preparation a compressed graph gets): the int8 route a sentence-transformers user takes for the dense
+model, though exported by torch's exporter rather than optimum's. ``peer_files`` adds graphs made
+elsewhere, such as that export itself made by sentence-transformers in an environment of its own.
 """
 
 from __future__ import annotations
@@ -34,13 +36,17 @@ class OnnxEncoder(nn.Module):
         self.anchor = nn.Parameter(torch.zeros(0), requires_grad=False)
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, **_):
+        if token_type_ids is None:  # what transformers' encoders take when none is given: one segment
+            token_type_ids = torch.zeros_like(input_ids)
         given = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
         feeds = {name: given[name].numpy() for name in self.input_names}
         return SimpleNamespace(last_hidden_state=torch.from_numpy(self.session.run(None, feeds)[0]))
 
 
-def onnx_methods(reference: nn.Module, compressed: nn.Module, tokenizer, progress) -> dict[str, OnnxEncoder]:
-    """The four ONNX Runtime methods (their graphs written to a temporary folder, read, and removed)."""
+def onnx_methods(reference: nn.Module, compressed: nn.Module, tokenizer, progress,
+                 peer_files=()) -> dict[str, OnnxEncoder]:
+    """The four ONNX Runtime methods (their graphs written to a temporary folder, read, and removed), and a
+    method for each of ``peer_files`` named after its folder and file."""
     from ..hf.onnx_export import write_graphs
     from ..hf.onnx_int8 import require_onnxruntime, this_machine_arch
 
@@ -51,8 +57,11 @@ def onnx_methods(reference: nn.Module, compressed: nn.Module, tokenizer, progres
                                                   ((OURS_ONNX, OURS_ONNX_INT8), compressed, "comera")]:
         progress(f"exporting the {where} model to ONNX, float32 and int8 for {arch}")
         with tempfile.TemporaryDirectory(prefix="comera-serving-") as folder:
-            graphs = write_graphs(model, tokenizer, Path(folder), quantize="int8", arch=arch).graphs
+            graphs = write_graphs(model, tokenizer, Path(folder), quantize="int8", arch=arch,
+                                  prepare=model is compressed).graphs
             methods[float_name], methods[int8_name] = OnnxEncoder(graphs[0]), OnnxEncoder(graphs[1])
+    for file in map(Path, peer_files):
+        methods[f"peer: {file.parent.name}/{file.name}"] = OnnxEncoder(file)
     return methods
 
 

@@ -107,11 +107,11 @@ def timed_rounds(models: dict, batches: list[dict], repeats: int) -> dict[str, f
 
 
 def serving_case(checkpoint: str, reference_name: str | None, pair_files, texts: int, repeats: int,
-                 progress=None, compile_models: bool = False, onnx: bool = False) -> list[dict]:
+                 progress=None, compile_models: bool = False, onnx: bool = False, onnx_peers=()) -> list[dict]:
     """One row per method: sentences a second, speed against dense, and recall@1 kept per pair domain
     (each of ``pair_files``, else the built-in english corpus's held-out pairs) with its standard
     error; ``compile_models`` adds each method under ``torch.compile``, ``onnx`` the dense and the
-    compressed model in ONNX Runtime, float and int8 (``onnx_serving.py``)."""
+    compressed model in ONNX Runtime, float and int8, and each graph of ``onnx_peers`` (``onnx_serving.py``)."""
     from ..evaluation import load_compared, pair_domain_name
     from ..retrieval import held_out_pairs, kept, model_retrieval, read_pairs
 
@@ -127,7 +127,7 @@ def serving_case(checkpoint: str, reference_name: str | None, pair_files, texts:
     if compile_models:
         models.update({name + COMPILED: compiled(model) for name, model in list(models.items())})
     if onnx:
-        models.update(onnx_methods(compared.reference, compared.compressed, compared.tokenizer, progress))
+        models.update(onnx_methods(compared.reference, compared.compressed, compared.tokenizer, progress, onnx_peers))
     domains = {}
     for file in pair_files:
         domains[pair_domain_name(file, domains)] = read_pairs(file, texts)

@@ -46,11 +46,14 @@ COLUMNS = ("method", "shape", "tokens", "ranks", "params_ratio", "flop_ratio", "
                    "pairs of the english corpus].")
 @click.option("--texts", type=click.IntRange(min=2), default=512, show_default=True,
               help="--checkpoint: texts embedded per timed round, and pairs per domain.")
+@click.option("--onnx-peer", "onnx_peers", multiple=True, type=click.Path(exists=True, dir_okay=False), metavar="FILE",
+              help="serving: an ONNX graph made elsewhere to time and score beside the others (repeatable), "
+                   "e.g. sentence-transformers' own int8 export of the dense model.")
 @click.option("--compile", "compile_models", is_flag=True,
               help="--checkpoint: also time each method under torch.compile (compiled in the untimed "
                    "warm-up; needs a C++ compiler).")
 def bench(cases, quick, device, dtype, repeats, json_path, variants, model_name, checkpoint, reference, pair_files,
-          texts, compile_models):
+          texts, onnx_peers, compile_models):
     """Measure CASES (default: all but serving): layer, embedding, train-step, convert, inference, serving."""
     import torch
 
@@ -81,10 +84,12 @@ def bench(cases, quick, device, dtype, repeats, json_path, variants, model_name,
                               f"{', '.join(cases)}")
         if device != "cpu":
             raise ConfigError(f"--checkpoint measures CPU serving (int8 kernels run on the CPU), not --device {device}")
+        if onnx_peers and "serving" not in cases:
+            raise ConfigError("--onnx-peer adds a graph to the serving case, and the cases are " + ", ".join(cases))
         serving = {"checkpoint": checkpoint, "reference_name": reference, "pair_files": pair_files, "texts": texts,
-                   "compile_models": compile_models}
-    elif reference or pair_files or compile_models:
-        raise ConfigError("--reference, --pairs and --compile go with --checkpoint")
+                   "compile_models": compile_models, "onnx_peers": onnx_peers}
+    elif reference or pair_files or compile_models or onnx_peers:
+        raise ConfigError("--reference, --pairs, --compile and --onnx-peer go with --checkpoint")
     repeats = repeats or (2 if quick else 5)
     out = console()
     with progress_display() as update:

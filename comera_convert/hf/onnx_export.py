@@ -147,9 +147,37 @@ def _destination(path: Path, out, overwrite: bool) -> tuple[Path, Path]:
 
 
 def write_graphs(model: nn.Module, tokenizer, directory: Path, *, opset: int = DEFAULT_OPSET,
-                 quantize: str | None = None, arch: str | None = None, progress: Progress = no_progress) -> OnnxExport:
+                 quantize: str | None = None, arch: str | None = None, prepare: bool = True,
+                 progress: Progress = no_progress) -> OnnxExport:
     """Write ``model``'s graph (in its dtype) to ``directory/model.onnx`` and, with ``quantize``, the int8 graph
-    for ``arch``, each checked against PyTorch on a tokenized sample."""
+    for ``arch``, each checked against PyTorch on a tokenized sample; ``prepare=False`` quantizes the graph
+    as it is, as sentence-transformers does (``onnx_int8.quantize_int8``)."""
+    with eager_attention(model):
+        return _write_graphs(model, tokenizer, directory, opset, quantize, arch, prepare, progress)
+
+
+@contextlib.contextmanager
+def eager_attention(model: nn.Module):
+    """The model with transformers' plain attention while it is exported, then as it was: the exporter writes
+    SDPA with a guard over the whole attention matrix (IsNaN, Where) that costs onnxruntime more than the
+    int8 products around it (docs/findings.md), and the plain attention computes the same."""
+    config = getattr(model, "config", None)
+    before = getattr(config, "_attn_implementation", None)
+    if before in (None, "eager") or not hasattr(model, "set_attn_implementation"):
+        yield model
+        return
+    try:
+        model.set_attn_implementation("eager")
+    except (ValueError, ImportError):  # an architecture without the plain one: exported as it is
+        yield model
+        return
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(before)
+
+
+def _write_graphs(model, tokenizer, directory: Path, opset, quantize, arch, prepare, progress) -> OnnxExport:
     from .onnx_int8 import int8_file_name, quantize_int8
 
     encoded = tokenizer(SAMPLE_TEXTS, padding=True, return_tensors="pt")
@@ -168,7 +196,7 @@ def write_graphs(model: nn.Module, tokenizer, directory: Path, *, opset: int = D
     if quantize:
         progress(f"quantizing to int8 for {arch}")
         quantized = directory / int8_file_name(arch)
-        quantize_int8(file, quantized, arch)
+        quantize_int8(file, quantized, arch, prepare=prepare)
         result.int8_difference = _check_int8(quantized, sample, expected)
         result.graphs.append(quantized)
     return result

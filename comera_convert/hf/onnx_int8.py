@@ -8,12 +8,20 @@ same call here quantizes a compressed graph exactly as the dense model's export 
 optimum, and names the file as sentence-transformers does (``model_qint8_<arch>.onnx``), so that
 ``SentenceTransformer(path, backend="onnx", model_kwargs={"file_name": "onnx/model_qint8_avx512_vnni.onnx"})``
 finds it.
+
+A compressed graph first goes through ``prepare_for_int8``: the exporter writes many factors as
+initializers reshaped or gated inside the graph, and onnxruntime's dynamic quantization takes only
+products whose weight is an initializer, so most of MiniLM's factors would stay float. Folding the
+constants (onnxruntime's basic, hardware-independent optimizations, saved) and writing each
+constant-weight ``Gemm`` as ``MatMul`` + ``Add`` (which older quantizers leave float) computes the same
+and lets every factor be quantized.
 """
 
 from __future__ import annotations
 
 import logging
 import platform
+import tempfile
 from pathlib import Path
 
 from ..errors import ConfigError, expected
@@ -59,9 +67,64 @@ def require_onnxruntime(what: str) -> None:
         raise ConfigError(f"{what} needs onnxruntime: pip install 'comera-convert[onnx]'") from None
 
 
-def quantize_int8(source: Path, target: Path, arch: str) -> None:
-    """Write ``source``'s graph with int8 weights to ``target``, as sentence-transformers' export for
-    ``arch`` does."""
+def quantize_int8(source: Path, target: Path, arch: str, prepare: bool = True) -> None:
+    """Write ``source``'s graph with int8 weights to ``target``, quantized as sentence-transformers' export
+    for ``arch`` is; ``prepare`` first folds it so that every weight can be (``prepare_for_int8``)."""
+    with tempfile.TemporaryDirectory(prefix="comera-int8-") as folder:
+        if prepare and not _has_external_data(source):  # the prepared graph is saved whole: below 2 GB
+            source = prepare_for_int8(source, Path(folder) / "prepared.onnx")
+        _quantize_dynamic(source, target, arch)
+
+
+def prepare_for_int8(source: Path, target: Path) -> Path:
+    """``source`` with its constants folded and each constant-weight Gemm written as MatMul + Add (module
+    docstring), saved to ``target``."""
+    import onnx
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    options.optimized_model_filepath = str(target)
+    onnxruntime.InferenceSession(str(source), options, providers=["CPUExecutionProvider"])
+    model = onnx.load(str(target))
+    _gemm_as_matmul(model.graph)
+    onnx.save(model, str(target))
+    return target
+
+
+def _gemm_as_matmul(graph) -> None:
+    """Rewrite every ``Gemm(x, W, b)`` with an initializer W, no transposed x and unit scales as
+    ``MatMul(x, W or W^T) + b`` in place."""
+    from onnx import helper, numpy_helper
+
+    weights = {tensor.name: tensor for tensor in graph.initializer}
+    nodes = []
+    for node in graph.node:
+        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        plain = (node.op_type == "Gemm" and node.input[1] in weights and not attributes.get("transA", 0)
+                 and attributes.get("alpha", 1.0) == 1.0 and attributes.get("beta", 1.0) == 1.0)
+        if not plain:
+            nodes.append(node)
+            continue
+        weight = node.input[1]
+        if attributes.get("transB", 0):
+            transposed = numpy_helper.to_array(weights[weight]).T.copy()
+            weight = f"{weight}_transposed"
+            graph.initializer.append(numpy_helper.from_array(transposed, weight))
+        has_bias = len(node.input) > 2 and node.input[2]
+        product = f"{node.output[0]}_product" if has_bias else node.output[0]
+        nodes.append(helper.make_node("MatMul", [node.input[0], weight], [product], name=f"{node.name}_matmul"))
+        if has_bias:
+            nodes.append(helper.make_node("Add", [product, node.input[2]], [node.output[0]], name=f"{node.name}_bias"))
+    del graph.node[:]
+    graph.node.extend(nodes)
+
+
+def _has_external_data(file: Path) -> bool:
+    return any(other.name.startswith(file.name) and other != file for other in file.parent.iterdir())
+
+
+def _quantize_dynamic(source: Path, target: Path, arch: str) -> None:
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     quiet = logging.getLogger()  # onnxruntime suggests its pre-processing on the root logger
