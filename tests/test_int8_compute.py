@@ -17,7 +17,7 @@ from comera_convert.integer import compute
 from comera_convert.layers import Int8Linear, TTLinear, use_int8_compute
 
 from .conftest import rel_err
-from .tiny_models import build, inputs, word_tokenizer
+from .tiny_models import build, inputs, serving_checkpoint, word_tokenizer
 
 # int8 rounding of the weights and of each GEMM's input: a few percent of the output's norm.
 INT8_TOLERANCE = 0.05
@@ -105,25 +105,8 @@ def test_a_torch_without_the_kernels_is_named_in_one_line(monkeypatch):
         use_int8_compute(nn.Linear(8, 4))
 
 
-def _tiny_checkpoint(tmp_path):
-    dense = build("bert")
-    dense.save_pretrained(tmp_path / "dense")
-    model = build("bert")
-    comera_convert.convert(model, ratio=3)
-    model.save_pretrained(tmp_path / "tt")
-    word_tokenizer().save_pretrained(tmp_path / "tt")
-    pairs = tmp_path / "words.jsonl"
-    generator = torch.Generator().manual_seed(0)
-    lines = []
-    for _ in range(12):
-        words = [f"w{int(i)}" for i in torch.randint(10, 400, (10,), generator=generator)]
-        lines.append(json.dumps({"query": " ".join(words[:4]), "document": " ".join(words)}))
-    pairs.write_text("\n".join(lines))
-    return tmp_path / "tt", tmp_path / "dense", pairs
-
-
 def test_bench_inference_of_a_checkpoint_rows_every_method_with_its_quality(tmp_path):
-    checkpoint, dense, pairs = _tiny_checkpoint(tmp_path)
+    checkpoint, dense, pairs = serving_checkpoint(tmp_path)
     result = CliRunner().invoke(main, ["bench", "inference", "--checkpoint", str(checkpoint), "--reference", str(dense),
                                        "--pairs", str(pairs), "--texts", "12", "--repeats", "1", "--json"])
     assert result.exit_code == 0, result.output
@@ -138,7 +121,7 @@ def test_bench_inference_of_a_checkpoint_rows_every_method_with_its_quality(tmp_
 
 @pytest.mark.slow  # compiling four models takes a few minutes
 def test_bench_inference_compiled_rows_time_the_compiled_models_and_keep_their_quality(tmp_path):
-    checkpoint, dense, pairs = _tiny_checkpoint(tmp_path)
+    checkpoint, dense, pairs = serving_checkpoint(tmp_path)
     result = CliRunner().invoke(main, ["bench", "inference", "--checkpoint", str(checkpoint), "--reference", str(dense),
                                        "--pairs", str(pairs), "--texts", "12", "--repeats", "1", "--compile", "--json"])
     assert result.exit_code == 0, result.output
@@ -159,7 +142,7 @@ def test_bench_inference_compiled_rows_time_the_compiled_models_and_keep_their_q
 
 
 def test_bench_compile_without_a_cpp_compiler_is_refused_in_one_line(tmp_path, monkeypatch):
-    checkpoint, dense, pairs = _tiny_checkpoint(tmp_path)
+    checkpoint, dense, pairs = serving_checkpoint(tmp_path)
     monkeypatch.setenv("CXX", "no-such-compiler")
     result = CliRunner().invoke(main, ["bench", "inference", "--checkpoint", str(checkpoint), "--reference", str(dense),
                                        "--pairs", str(pairs), "--texts", "12", "--compile"])
@@ -177,40 +160,6 @@ def test_bench_checkpoint_options_refuse_what_does_not_go_together(tmp_path):
     assert result.exit_code == 1 and "--compile and --onnx-peer go with --checkpoint" in result.output
     result = runner.invoke(main, ["bench", "inference", "--compile", "--quick"])
     assert result.exit_code == 1 and "--compile and --onnx-peer go with --checkpoint" in result.output
-
-
-def test_bench_serving_adds_onnx_runtime_float_and_int8_for_both_models(tmp_path):
-    pytest.importorskip("onnxruntime")
-    checkpoint, dense, pairs = _tiny_checkpoint(tmp_path)
-    result = CliRunner().invoke(main, ["bench", "serving", "--checkpoint", str(checkpoint), "--reference", str(dense),
-                                       "--pairs", str(pairs), "--texts", "12", "--repeats", "1", "--json"])
-    assert result.exit_code == 0, result.output
-    rows = {row["method"]: row for row in json.loads(result.output)["rows"]}
-    assert list(rows)[4:] == ["dense, ONNX Runtime", "dense, ONNX Runtime int8 (sentence-transformers' quantization)",
-                              "comera, ONNX Runtime", "comera, ONNX Runtime int8"]
-    # the float graphs compute what PyTorch does: the same retrieval as their PyTorch models
-    assert rows["dense, ONNX Runtime"]["recall_kept"] == {"words": 1.0}
-    assert rows["comera, ONNX Runtime"]["recall_kept"] == rows["comera float32"]["recall_kept"]
-    assert all(row["case"] == "serving" and row["sentences_per_s"] > 0 for row in rows.values())
-    assert rows["comera, ONNX Runtime int8"]["file_mb"] < rows["comera, ONNX Runtime"]["file_mb"]
-    assert "file_mb" not in rows["dense"]
-
-
-def test_bench_serving_times_a_graph_made_elsewhere_beside_its_own(tmp_path):
-    pytest.importorskip("onnxruntime")
-    from comera_convert.hf.onnx_export import export_onnx
-
-    checkpoint, dense, pairs = _tiny_checkpoint(tmp_path)
-    peer = export_onnx(str(checkpoint), tmp_path / "peer").graphs[0]  # the compressed float graph, made apart
-    result = CliRunner().invoke(main, ["bench", "serving", "--checkpoint", str(checkpoint), "--reference", str(dense),
-                                       "--pairs", str(pairs), "--texts", "12", "--repeats", "1", "--json",
-                                       "--onnx-peer", str(peer)])
-    assert result.exit_code == 0, result.output
-    rows = {row["method"]: row for row in json.loads(result.output)["rows"]}
-    assert rows["peer: onnx/model.onnx"]["recall_kept"] == rows["comera, ONNX Runtime"]["recall_kept"]
-    refused = CliRunner().invoke(main, ["bench", "inference", "--checkpoint", str(checkpoint),
-                                        "--onnx-peer", str(peer)])
-    assert refused.exit_code == 1 and "--onnx-peer adds a graph to the serving case" in refused.output
 
 
 def test_bench_serving_without_a_checkpoint_is_refused_in_one_line():

@@ -1,5 +1,6 @@
 """ONNX export of compressed checkpoints: the graph stays compressed and onnxruntime agrees with PyTorch."""
 
+import json
 import math
 import re
 import subprocess
@@ -7,12 +8,14 @@ import sys
 
 import pytest
 import torch
+from click.testing import CliRunner
 
 import comera_convert
+from comera_convert.cli import main
 from comera_convert.errors import ConfigError, ModelLoadError
 from comera_convert.hf.onnx_export import export_onnx
 
-from .tiny_models import build, inputs, outputs, word_tokenizer
+from .tiny_models import build, inputs, outputs, serving_checkpoint, word_tokenizer
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
@@ -188,3 +191,37 @@ def test_the_export_uses_plain_attention_and_gives_the_model_back_as_it_was(tmp_
     with eager_attention(model):
         assert model.config._attn_implementation == "eager"
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_bench_serving_adds_onnx_runtime_float_and_int8_for_both_models(tmp_path):
+    pytest.importorskip("onnxruntime")
+    checkpoint, dense, pairs = serving_checkpoint(tmp_path)
+    result = CliRunner().invoke(main, ["bench", "serving", "--checkpoint", str(checkpoint), "--reference", str(dense),
+                                       "--pairs", str(pairs), "--texts", "12", "--repeats", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {row["method"]: row for row in json.loads(result.output)["rows"]}
+    assert list(rows)[4:] == ["dense, ONNX Runtime", "dense, ONNX Runtime int8 (sentence-transformers' quantization)",
+                              "comera, ONNX Runtime", "comera, ONNX Runtime int8"]
+    # the float graphs compute what PyTorch does: the same retrieval as their PyTorch models
+    assert rows["dense, ONNX Runtime"]["recall_kept"] == {"words": 1.0}
+    assert rows["comera, ONNX Runtime"]["recall_kept"] == rows["comera float32"]["recall_kept"]
+    assert all(row["case"] == "serving" and row["sentences_per_s"] > 0 for row in rows.values())
+    assert rows["comera, ONNX Runtime int8"]["file_mb"] < rows["comera, ONNX Runtime"]["file_mb"]
+    assert "file_mb" not in rows["dense"]
+
+
+def test_bench_serving_times_a_graph_made_elsewhere_beside_its_own(tmp_path):
+    pytest.importorskip("onnxruntime")
+    from comera_convert.hf.onnx_export import export_onnx
+
+    checkpoint, dense, pairs = serving_checkpoint(tmp_path)
+    peer = export_onnx(str(checkpoint), tmp_path / "peer").graphs[0]  # the compressed float graph, made apart
+    result = CliRunner().invoke(main, ["bench", "serving", "--checkpoint", str(checkpoint), "--reference", str(dense),
+                                       "--pairs", str(pairs), "--texts", "12", "--repeats", "1", "--json",
+                                       "--onnx-peer", str(peer)])
+    assert result.exit_code == 0, result.output
+    rows = {row["method"]: row for row in json.loads(result.output)["rows"]}
+    assert rows["peer: onnx/model.onnx"]["recall_kept"] == rows["comera, ONNX Runtime"]["recall_kept"]
+    refused = CliRunner().invoke(main, ["bench", "inference", "--checkpoint", str(checkpoint),
+                                        "--onnx-peer", str(peer)])
+    assert refused.exit_code == 1 and "--onnx-peer adds a graph to the serving case" in refused.output

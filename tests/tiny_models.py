@@ -87,3 +87,26 @@ def word_tokenizer(size: int = VOCAB):
     backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + words)}, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     return tf.PreTrainedTokenizerFast(tokenizer_object=backend, **SPECIAL_TOKENS)
+
+
+def serving_checkpoint(tmp_path):
+    """A converted tiny BERT with its tokenizer, its dense source, and 12 query/document pairs of its words:
+    (checkpoint, dense, pairs file), for the serving benchmarks."""
+    import json
+
+    import comera_convert
+
+    dense = build("bert")
+    dense.save_pretrained(tmp_path / "dense")
+    model = build("bert")
+    comera_convert.convert(model, ratio=3)
+    model.save_pretrained(tmp_path / "tt")
+    word_tokenizer().save_pretrained(tmp_path / "tt")
+    pairs = tmp_path / "words.jsonl"
+    generator = torch.Generator().manual_seed(0)
+    lines = []
+    for _ in range(12):
+        words = [f"w{int(i)}" for i in torch.randint(10, 400, (10,), generator=generator)]
+        lines.append(json.dumps({"query": " ".join(words[:4]), "document": " ".join(words)}))
+    pairs.write_text("\n".join(lines))
+    return tmp_path / "tt", tmp_path / "dense", pairs
