@@ -218,10 +218,11 @@ def test_bench_serving_times_a_graph_made_elsewhere_beside_its_own(tmp_path):
     peer = export_onnx(str(checkpoint), tmp_path / "peer").graphs[0]  # the compressed float graph, made apart
     result = CliRunner().invoke(main, ["bench", "serving", "--checkpoint", str(checkpoint), "--reference", str(dense),
                                        "--pairs", str(pairs), "--texts", "12", "--repeats", "1", "--json",
-                                       "--onnx-peer", str(peer)])
+                                       "--onnx-peer", str(peer), "--batch", "1"])
     assert result.exit_code == 0, result.output
     rows = {row["method"]: row for row in json.loads(result.output)["rows"]}
     assert rows["peer: onnx/model.onnx"]["recall_kept"] == rows["comera, ONNX Runtime"]["recall_kept"]
+    assert all(row["shape"].endswith("batch 1") for row in rows.values())  # one text at a time
     refused = CliRunner().invoke(main, ["bench", "inference", "--checkpoint", str(checkpoint),
                                         "--onnx-peer", str(peer)])
     assert refused.exit_code == 1 and "--onnx-peer adds a graph to the serving case" in refused.output

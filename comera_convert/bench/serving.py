@@ -107,11 +107,13 @@ def timed_rounds(models: dict, batches: list[dict], repeats: int) -> dict[str, f
 
 
 def serving_case(checkpoint: str, reference_name: str | None, pair_files, texts: int, repeats: int,
-                 progress=None, compile_models: bool = False, onnx: bool = False, onnx_peers=()) -> list[dict]:
+                 progress=None, compile_models: bool = False, onnx: bool = False, onnx_peers=(),
+                 batch: int = BATCH) -> list[dict]:
     """One row per method: sentences a second, speed against dense, and recall@1 kept per pair domain
     (each of ``pair_files``, else the built-in english corpus's held-out pairs) with its standard
     error; ``compile_models`` adds each method under ``torch.compile``, ``onnx`` the dense and the
-    compressed model in ONNX Runtime, float and int8, and each graph of ``onnx_peers`` (``onnx_serving.py``)."""
+    compressed model in ONNX Runtime, float and int8, and each graph of ``onnx_peers`` (``onnx_serving.py``);
+    texts are embedded ``batch`` at a time (1: one request at a time, as an online service embeds)."""
     from ..evaluation import load_compared, pair_domain_name
     from ..retrieval import held_out_pairs, kept, model_retrieval, read_pairs
 
@@ -133,7 +135,7 @@ def serving_case(checkpoint: str, reference_name: str | None, pair_files, texts:
         domains[pair_domain_name(file, domains)] = read_pairs(file, texts)
     domains = domains or {"english": held_out_pairs("english", texts)}
     documents = interleaved([[document for _, document in pairs] for pairs in domains.values()])[:texts]
-    batches = length_sorted_batches(compared.tokenizer, documents)
+    batches = length_sorted_batches(compared.tokenizer, documents, batch)
     progress(f"timing {len(documents)} texts, {repeats} rounds of {len(models)} models"
              + (" (compiling first)" if compile_models else ""))
     seconds = timed_rounds(models, batches, repeats)
@@ -143,8 +145,8 @@ def serving_case(checkpoint: str, reference_name: str | None, pair_files, texts:
         scores = {name: model_retrieval(model, compared.tokenizer, pairs, SEQ_LEN, compared.pooling)
                   for name, model in models.items() if not name.endswith(COMPILED)}
         quality[domain] = {name: kept(scores[eager_name(name)], scores[DENSE]) for name in models}
-    tokens = sum(int(batch["attention_mask"].sum()) for batch in batches)
-    shape = f"{compared.source}, {len(documents)} texts ({tokens / len(documents):.0f} tokens avg), batch {BATCH}"
+    tokens = sum(int(encoded["attention_mask"].sum()) for encoded in batches)
+    shape = f"{compared.source}, {len(documents)} texts ({tokens / len(documents):.0f} tokens avg), batch {batch}"
     return [{"case": "serving" if onnx else "inference", "method": name, "device": "cpu",
              "dtype": "int8" if "int8" in name else "float32", "shape": shape,
              **({"file_mb": graph_megabytes(models[name])} if graph_megabytes(models[name]) else {}),

@@ -46,6 +46,9 @@ COLUMNS = ("method", "shape", "tokens", "ranks", "params_ratio", "flop_ratio", "
                    "pairs of the english corpus].")
 @click.option("--texts", type=click.IntRange(min=2), default=512, show_default=True,
               help="--checkpoint: texts embedded per timed round, and pairs per domain.")
+@click.option("--batch", type=click.IntRange(min=1), default=None,
+              help="--checkpoint: texts embedded at a time, 1 for one request at a time [default: 32, "
+                   "sentence-transformers' encode batch].")
 @click.option("--onnx-peer", "onnx_peers", multiple=True, type=click.Path(exists=True, dir_okay=False), metavar="FILE",
               help="serving: an ONNX graph made elsewhere to time and score beside the others (repeatable), "
                    "e.g. sentence-transformers' own int8 export of the dense model.")
@@ -53,7 +56,7 @@ COLUMNS = ("method", "shape", "tokens", "ranks", "params_ratio", "flop_ratio", "
               help="--checkpoint: also time each method under torch.compile (compiled in the untimed "
                    "warm-up; needs a C++ compiler).")
 def bench(cases, quick, device, dtype, repeats, json_path, variants, model_name, checkpoint, reference, pair_files,
-          texts, onnx_peers, compile_models):
+          texts, batch, onnx_peers, compile_models):
     """Measure CASES (default: all but serving): layer, embedding, train-step, convert, inference, serving."""
     import torch
 
@@ -61,6 +64,7 @@ def bench(cases, quick, device, dtype, repeats, json_path, variants, model_name,
 
     from .. import bench as benchmarks
     from ..bench.models import chosen_variants
+    from ..bench.serving import BATCH
     from ..errors import ConfigError
     from ..hf.files import write_text_atomic
 
@@ -87,9 +91,9 @@ def bench(cases, quick, device, dtype, repeats, json_path, variants, model_name,
         if onnx_peers and "serving" not in cases:
             raise ConfigError("--onnx-peer adds a graph to the serving case, and the cases are " + ", ".join(cases))
         serving = {"checkpoint": checkpoint, "reference_name": reference, "pair_files": pair_files, "texts": texts,
-                   "compile_models": compile_models, "onnx_peers": onnx_peers}
-    elif reference or pair_files or compile_models or onnx_peers:
-        raise ConfigError("--reference, --pairs, --compile and --onnx-peer go with --checkpoint")
+                   "compile_models": compile_models, "onnx_peers": onnx_peers, "batch": batch or BATCH}
+    elif reference or pair_files or compile_models or onnx_peers or batch:
+        raise ConfigError("--reference, --pairs, --batch, --compile and --onnx-peer go with --checkpoint")
     repeats = repeats or (2 if quick else 5)
     out = console()
     with progress_display() as update:
