@@ -44,7 +44,7 @@ def run(cases, device: str, dtype: torch.dtype, quick: bool, repeats: int, progr
     step to those names and their dense baselines; ``model_name`` is the model whose training step
     is timed (one of ``models.TRAIN_MODELS``). ``serving``: the inference case measures this real
     checkpoint instead, and the serving case measures it in ONNX Runtime as well (``serving_case``'s
-    keyword arguments: checkpoint, reference_name, pair_files, texts, compile_models)."""
+    keyword arguments: checkpoint, reference_name, pair_files, texts, compile_models, onnx_peers, batch)."""
     progress = progress or (lambda message: None)
     rows = []
     for name in cases:

@@ -149,7 +149,7 @@ def serving_case(checkpoint: str, reference_name: str | None, pair_files, texts:
     shape = f"{compared.source}, {len(documents)} texts ({tokens / len(documents):.0f} tokens avg), batch {batch}"
     return [{"case": "serving" if onnx else "inference", "method": name, "device": "cpu",
              "dtype": "int8" if "int8" in name else "float32", "shape": shape,
-             **({"file_mb": graph_megabytes(models[name])} if graph_megabytes(models[name]) else {}),
+             **({"file_mb": megabytes} if (megabytes := graph_megabytes(models[name])) else {}),
              "sentences_per_s": round(len(documents) / seconds[name], 1),
              "speed_vs_dense": round(seconds[DENSE] / seconds[name], 2),
              "recall_kept": {domain: round(shares[name]["recall_kept"], 3) for domain, shares in quality.items()},

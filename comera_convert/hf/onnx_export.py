@@ -207,7 +207,9 @@ def _into_one_file(file: Path) -> None:
     and the layout sentence-transformers' own exports have."""
     import onnx
 
-    data = [p for p in file.parent.iterdir() if p.name.startswith(file.name + ".") or p.name == file.name + "_data"]
+    from .onnx_int8 import external_data
+
+    data = external_data(file)
     if not data or sum(p.stat().st_size for p in data) > ONE_FILE_BYTES:
         return
     graph = onnx.load(str(file))  # external data is read alongside
@@ -317,9 +319,7 @@ def _check_with_onnxruntime(file: Path, sample: dict, expected: torch.Tensor, dt
         logging.getLogger(__name__).warning("onnxruntime is not installed: the export was not checked "
                                             "(pip install 'comera-convert[onnx]')")
         return None
-    session = onnxruntime.InferenceSession(str(file), providers=["CPUExecutionProvider"])
-    feeds = {i.name: sample[i.name].numpy() for i in session.get_inputs()}
-    got = torch.from_numpy(session.run(None, feeds)[0]).float()
+    got = _run_graph(onnxruntime, file, sample).float()
     difference = float((got - expected.float()).abs().max())
     scale = float(expected.float().abs().max()) or 1.0
     if not difference <= TOLERANCE[dtype] * scale:
@@ -328,13 +328,18 @@ def _check_with_onnxruntime(file: Path, sample: dict, expected: torch.Tensor, dt
     return difference
 
 
+def _run_graph(onnxruntime, file: Path, sample: dict) -> torch.Tensor:
+    """The graph's first output on the tokenized sample, run by onnxruntime on the CPU."""
+    session = onnxruntime.InferenceSession(str(file), providers=["CPUExecutionProvider"])
+    return torch.from_numpy(session.run(None, {i.name: sample[i.name].numpy() for i in session.get_inputs()})[0])
+
+
 def _check_int8(file: Path, sample: dict, expected: torch.Tensor) -> float:
     """The int8 graph's relative error against PyTorch on the sample; a graph that computes something
     else is an error."""
     import onnxruntime
 
-    session = onnxruntime.InferenceSession(str(file), providers=["CPUExecutionProvider"])
-    got = torch.from_numpy(session.run(None, {i.name: sample[i.name].numpy() for i in session.get_inputs()})[0])
+    got = _run_graph(onnxruntime, file, sample)
     error = float((got.float() - expected.float()).norm() / expected.float().norm())
     if not error <= INT8_TOLERANCE:
         raise ConfigError(f"the int8 graph strays from PyTorch: relative error {error:.3g} against at most "

@@ -71,7 +71,7 @@ def quantize_int8(source: Path, target: Path, arch: str, prepare: bool = True) -
     """Write ``source``'s graph with int8 weights to ``target``, quantized as sentence-transformers' export
     for ``arch`` is; ``prepare`` first folds it so that every weight can be (``prepare_for_int8``)."""
     with tempfile.TemporaryDirectory(prefix="comera-int8-") as folder:
-        if prepare and not _has_external_data(source):  # the prepared graph is saved whole: below 2 GB
+        if prepare and not external_data(source):  # the prepared graph is saved whole: below 2 GB
             source = prepare_for_int8(source, Path(folder) / "prepared.onnx")
         _quantize_dynamic(source, target, arch)
 
@@ -120,8 +120,10 @@ def _gemm_as_matmul(graph) -> None:
     graph.node.extend(nodes)
 
 
-def _has_external_data(file: Path) -> bool:
-    return any(other.name.startswith(file.name) and other != file for other in file.parent.iterdir())
+def external_data(file: Path) -> list[Path]:
+    """The files beside a graph holding its weights (torch's exporter names them ``model.onnx.data``,
+    optimum ``model.onnx_data``)."""
+    return [p for p in file.parent.iterdir() if p.name.startswith(file.name + ".") or p.name == file.name + "_data"]
 
 
 def _quantize_dynamic(source: Path, target: Path, arch: str) -> None:
