@@ -41,6 +41,7 @@ LATE_OBJECTIVES = ("min-max", "task")
 # TinyLlama's shape as a causal LM, the size where the linears' GEMMs, not the host, dominate a
 # GPU's step.
 BENCH_CASES = ("layer", "embedding", "train-step", "convert", "inference", "serving")
+EXPORT_FORMATS = ("onnx", "openvino")  # the runtimes `comera export` writes graphs for
 INT8_ARCHES = ("avx512_vnni", "avx512", "avx2", "arm64")  # the CPUs sentence-transformers names int8 graphs after
 CHECKPOINT_CASES = ("inference", "serving")  # the cases --checkpoint measures; serving needs one
 TRAIN_MODELS = ("bert-base", "llama-1.1b")

@@ -157,9 +157,9 @@ def test_bench_checkpoint_options_refuse_what_does_not_go_together(tmp_path):
     assert result.exit_code == 1
     assert "--checkpoint measures the inference and serving cases, and the cases are layer" in result.output
     result = runner.invoke(main, ["bench", "inference", "--reference", "x", "--quick"])
-    assert result.exit_code == 1 and "--batch, --compile and --onnx-peer go with --checkpoint" in result.output
+    assert result.exit_code == 1 and "--batch, --compile and --peer go with --checkpoint" in result.output
     result = runner.invoke(main, ["bench", "inference", "--compile", "--quick"])
-    assert result.exit_code == 1 and "--batch, --compile and --onnx-peer go with --checkpoint" in result.output
+    assert result.exit_code == 1 and "--batch, --compile and --peer go with --checkpoint" in result.output
 
 
 def test_bench_serving_without_a_checkpoint_is_refused_in_one_line():

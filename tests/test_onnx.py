@@ -13,7 +13,7 @@ from click.testing import CliRunner
 import comera_convert
 from comera_convert.cli import main
 from comera_convert.errors import ConfigError, ModelLoadError
-from comera_convert.hf.onnx_export import export_onnx
+from comera_convert.hf.export import export_model
 
 from .tiny_models import build, inputs, outputs, serving_checkpoint, word_tokenizer
 
@@ -42,7 +42,7 @@ def stored_values(file) -> int:
                                           ("gpt2-clm", "tt"), pytest.param("llama-clm", "tt", marks=pytest.mark.slow)])
 def test_exported_graph_agrees_with_pytorch_on_new_shapes_and_stays_compressed(case, layout, tmp_path):
     model, path, dense_params = saved(case, tmp_path, layout=layout)
-    result = export_onnx(str(path), tmp_path / "onnx")
+    result = export_model(str(path), tmp_path / "onnx")
     assert result.max_difference is not None and result.max_difference < 1e-4
     assert result.graphs == [tmp_path / "onnx" / "onnx" / "model.onnx"]  # where sentence-transformers looks
     assert sorted(p.name for p in result.graphs[0].parent.iterdir()) == ["model.onnx"]  # weights inside
@@ -66,17 +66,17 @@ def test_exported_graph_agrees_with_pytorch_on_new_shapes_and_stays_compressed(c
 def test_requests_that_cannot_work_are_refused_before_writing(tmp_path):
     _, path, _ = saved("bert", tmp_path)
     with pytest.raises(ConfigError, match="writes opset 18 or later"):
-        export_onnx(str(path), tmp_path / "a", opset=13)
+        export_model(str(path), tmp_path / "a", opset=13)
     with pytest.raises(ConfigError, match="takes float32 or float16"):
-        export_onnx(str(path), tmp_path / "b", dtype="bfloat16")
+        export_model(str(path), tmp_path / "b", dtype="bfloat16")
     with pytest.raises(ConfigError, match="int8 quantization starts from the float32 graph"):
-        export_onnx(str(path), tmp_path / "b", dtype="float16", quantize="int8")
+        export_model(str(path), tmp_path / "b", dtype="float16", quantize="int8")
     arch_error = "--arch: expected one of avx512_vnni, avx512, avx2, arm64 (got 'sse4')"
     with pytest.raises(ConfigError, match=re.escape(arch_error)):
-        export_onnx(str(path), tmp_path / "b", quantize="int8", arch="sse4")
+        export_model(str(path), tmp_path / "b", quantize="int8", arch="sse4")
     _, bare, _ = saved("bert-mlm", tmp_path, tokenizer=False)
     with pytest.raises(ModelLoadError, match="ONNX export needs the model's tokenizer"):
-        export_onnx(str(bare), tmp_path / "c")
+        export_model(str(bare), tmp_path / "c")
     assert not any((tmp_path / name).exists() for name in "abc")
 
 
@@ -109,7 +109,7 @@ def sentence_folder(tmp_path):
 
 def test_int8_export_goes_into_the_checkpoint_as_sentence_transformers_names_it(tmp_path):
     model, path = sentence_folder(tmp_path)
-    result = export_onnx(str(path), quantize="int8", arch="avx2")
+    result = export_model(str(path), quantize="int8", arch="avx2")
     assert result.out == path and result.notes == []
     assert result.graphs == [path / "onnx" / "model.onnx", path / "onnx" / "model_qint8_avx2.onnx"]
     assert result.graphs[1].stat().st_size < 0.8 * result.graphs[0].stat().st_size  # weights in int8, not all
@@ -120,14 +120,14 @@ def test_int8_export_goes_into_the_checkpoint_as_sentence_transformers_names_it(
     assert 0 < float((got - expected).norm() / expected.norm()) < 0.05  # rounded, yet the same function
     assert 0 < result.int8_difference < 0.05
     with pytest.raises(ConfigError, match="onnx exists: pass --overwrite to replace it, or give --out"):
-        export_onnx(str(path), quantize="int8", arch="avx2")
-    again = export_onnx(str(path), overwrite=True)  # replaced whole: the int8 graph goes with the old folder
+        export_model(str(path), quantize="int8", arch="avx2")
+    again = export_model(str(path), overwrite=True)  # replaced whole: the int8 graph goes with the old folder
     assert sorted(p.name for p in (path / "onnx").iterdir()) == ["model.onnx"] and len(again.graphs) == 1
 
 
 def test_a_copy_holds_what_sentence_transformers_loads_and_no_pytorch_weights(tmp_path):
     _, path = sentence_folder(tmp_path)
-    result = export_onnx(str(path), tmp_path / "served", quantize="int8", arch="avx512_vnni")
+    result = export_model(str(path), tmp_path / "served", quantize="int8", arch="avx512_vnni")
     served = tmp_path / "served"
     assert {p.name for p in served.iterdir()} >= {"modules.json", "1_Pooling", "sentence_bert_config.json",
                                                    "config.json", "tokenizer.json", "onnx"}
@@ -144,7 +144,7 @@ def test_a_copy_holds_what_sentence_transformers_loads_and_no_pytorch_weights(tm
 
 def test_a_model_without_modules_json_is_exported_with_a_note_on_pooling(tmp_path):
     _, path, _ = saved("bert", tmp_path)
-    result = export_onnx(str(path), tmp_path / "out")
+    result = export_model(str(path), tmp_path / "out")
     assert result.notes == ["not a sentence-transformers model (no modules.json): the graphs give token states, "
                             "and pooling is not in them"]
 
@@ -200,7 +200,7 @@ def test_bench_serving_adds_onnx_runtime_float_and_int8_for_both_models(tmp_path
                                        "--pairs", str(pairs), "--texts", "12", "--repeats", "1", "--json"])
     assert result.exit_code == 0, result.output
     rows = {row["method"]: row for row in json.loads(result.output)["rows"]}
-    assert list(rows)[4:] == ["dense, ONNX Runtime", "dense, ONNX Runtime int8 (sentence-transformers' quantization)",
+    assert list(rows)[4:8] == ["dense, ONNX Runtime", "dense, ONNX Runtime int8 (sentence-transformers' quantization)",
                               "comera, ONNX Runtime", "comera, ONNX Runtime int8"]
     # the float graphs compute what PyTorch does: the same retrieval as their PyTorch models
     assert rows["dense, ONNX Runtime"]["recall_kept"] == {"words": 1.0}
@@ -212,17 +212,17 @@ def test_bench_serving_adds_onnx_runtime_float_and_int8_for_both_models(tmp_path
 
 def test_bench_serving_times_a_graph_made_elsewhere_beside_its_own(tmp_path):
     pytest.importorskip("onnxruntime")
-    from comera_convert.hf.onnx_export import export_onnx
+    from comera_convert.hf.export import export_model
 
     checkpoint, dense, pairs = serving_checkpoint(tmp_path)
-    peer = export_onnx(str(checkpoint), tmp_path / "peer").graphs[0]  # the compressed float graph, made apart
+    peer = export_model(str(checkpoint), tmp_path / "peer").graphs[0]  # the compressed float graph, made apart
     result = CliRunner().invoke(main, ["bench", "serving", "--checkpoint", str(checkpoint), "--reference", str(dense),
                                        "--pairs", str(pairs), "--texts", "12", "--repeats", "1", "--json",
-                                       "--onnx-peer", str(peer), "--batch", "1"])
+                                       "--peer", str(peer), "--batch", "1"])
     assert result.exit_code == 0, result.output
     rows = {row["method"]: row for row in json.loads(result.output)["rows"]}
     assert rows["peer: onnx/model.onnx"]["recall_kept"] == rows["comera, ONNX Runtime"]["recall_kept"]
     assert all(row["shape"].endswith("batch 1") for row in rows.values())  # one text at a time
     refused = CliRunner().invoke(main, ["bench", "inference", "--checkpoint", str(checkpoint),
-                                        "--onnx-peer", str(peer)])
-    assert refused.exit_code == 1 and "--onnx-peer adds a graph to the serving case" in refused.output
+                                        "--peer", str(peer)])
+    assert refused.exit_code == 1 and "--peer adds a graph to the serving case" in refused.output

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Served where embedding users serve: `comera export-onnx --quantize int8` of a converted
-# sentence-transformers model, loaded by sentence-transformers' ONNX backend in a fresh environment
-# that has sentence-transformers[onnx] (the extra docs/jobs.md names) and not comera_convert; its
+# Served where embedding users serve: `comera export --quantize int8` of a converted
+# sentence-transformers model, for ONNX Runtime and for OpenVINO, each loaded by sentence-transformers'
+# backend of that name in a fresh environment that has sentence-transformers[onnx] or
+# sentence-transformers[openvino] (the extras docs/jobs.md names) and not comera_convert; the
 # embeddings, float and int8, are compared with the ones comera_convert computes in PyTorch.
 #
 #   tools/serving_smoke.sh              # CI runs it after the test suites
-#   SERVING_VENV=DIR tools/serving_smoke.sh   # reuse an environment made by an earlier run
+#   SERVING_VENV=DIR OPENVINO_VENV=DIR tools/serving_smoke.sh   # reuse environments made by an earlier run
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 work=$(mktemp -d)
@@ -48,33 +49,53 @@ loaded = comera_convert.from_pretrained(str(folder)).eval()
 embeddings = torch.nn.functional.normalize(sentence_embeddings(loaded, batch), dim=-1)
 (work / "expected.json").write_text(json.dumps({"texts": texts, "embeddings": embeddings.tolist()}))
 PY
-comera --quiet export-onnx "$work/model" --out "$work/served" --quantize int8 --arch avx2 >"$work/export.log" 2>&1 \
+comera --quiet export "$work/model" --out "$work/onnx" --quantize int8 --arch avx2 >"$work/export.log" 2>&1 \
     || { tail -20 "$work/export.log"; exit 1; }
+comera --quiet export "$work/model" --format openvino --out "$work/openvino" --quantize int8 \
+    >"$work/export.log" 2>&1 || { tail -20 "$work/export.log"; exit 1; }
 
-venv=${SERVING_VENV:-$work/venv}
-if [ ! -x "$venv/bin/python" ]; then
-    python -m venv "$venv"
-    # optimum-onnx, which sentence-transformers' ONNX backend loads through, takes transformers
-    # below 4.58: named here so that pip does not walk back through every sentence-transformers release.
-    "$venv/bin/pip" install -q --disable-pip-version-check "torch==2.13.0" "sentence-transformers[onnx]" \
+# A fresh environment with sentence-transformers and one backend's extra: make_env DIR EXTRA
+make_env() {
+    [ -x "$1/bin/python" ] && return
+    python -m venv "$1"
+    # optimum-onnx and optimum-intel, which sentence-transformers' backends load through, take
+    # transformers below 4.58: named here so that pip does not walk back through every release.
+    "$1/bin/pip" install -q --disable-pip-version-check "torch==2.13.0" "sentence-transformers[$2]" \
         "transformers<4.58" >"$work/install.log" 2>&1 || { tail -30 "$work/install.log"; exit 1; }
-fi
-cd "$work"
-"$venv/bin/python" - "$work" <<'PY'
+    # optimum-intel pulls torchvision, whose wheel on the index is built for CUDA torch and fails to
+    # load beside the CPU build; transformers runs without it.
+    "$1/bin/pip" uninstall -q -y torchvision >/dev/null 2>&1 || true
+}
+
+# Loads each graph in the backend's environment and compares: check ENV BACKEND FOLDER FILE...
+check() {
+    local venv=$1 backend=$2 folder=$3
+    shift 3
+    (cd "$work" && "$venv/bin/python" - "$work" "$backend" "$folder" "$@" <<'PY'
 import importlib.util, json, sys
 from pathlib import Path
 
 import numpy as np
 from sentence_transformers import SentenceTransformer
 
-work = Path(sys.argv[1])
+work, backend, folder, files = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4:]
 assert importlib.util.find_spec("comera_convert") is None, "this environment must not have comera_convert"
 expected = json.loads((work / "expected.json").read_text())
 want = np.array(expected["embeddings"])
-for file, least in [("onnx/model.onnx", 0.9999), ("onnx/model_qint8_avx2.onnx", 0.99)]:
-    model = SentenceTransformer(str(work / "served"), backend="onnx", model_kwargs={"file_name": file})
+for file in files:
+    least = 0.99 if "qint8" in file else 0.9999
+    model = SentenceTransformer(str(work / folder), backend=backend, model_kwargs={"file_name": file}, device="cpu")
     got = model.encode(expected["texts"])
     cosine = (got * want).sum(axis=1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
     assert cosine.min() >= least, f"{file}: cosine to comera_convert's embeddings {cosine.min():.5f} < {least}"
-    print(f"{file}: sentence-transformers' ONNX backend, cosine to PyTorch's embeddings >= {cosine.min():.5f}")
+    print(f"{file}: sentence-transformers' {backend} backend, cosine to PyTorch's embeddings >= {cosine.min():.5f}")
 PY
+    )
+}
+
+onnx_venv=${SERVING_VENV:-$work/venv-onnx}
+make_env "$onnx_venv" onnx
+check "$onnx_venv" onnx onnx onnx/model.onnx onnx/model_qint8_avx2.onnx
+openvino_venv=${OPENVINO_VENV:-$work/venv-openvino}
+make_env "$openvino_venv" openvino
+check "$openvino_venv" openvino openvino openvino/openvino_model.xml openvino/openvino_model_qint8_quantized.xml

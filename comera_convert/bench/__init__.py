@@ -4,7 +4,8 @@ timing   medians after warm-up (CUDA events), peak memory (CUDA allocator, or CP
 layers   TTLinear vs nn.Linear vs tensorly-torch; TTEmbedding vs nn.Embedding vs a naive lookup
 models   a training step (bert-base or a 1.1 B Llama; dense, GaLore, TT), inference, conversion time
 serving  a real checkpoint's embedding throughput and quality against dense and int8 rounding
-onnx_serving  the same checkpoint and its dense source in ONNX Runtime, float and int8
+onnx_serving  the same checkpoint and its dense source in ONNX Runtime, float and int8; graphs made elsewhere
+openvino_serving  the same in OpenVINO
 child    one training-step variant in a fresh process
 """
 
@@ -44,7 +45,7 @@ def run(cases, device: str, dtype: torch.dtype, quick: bool, repeats: int, progr
     step to those names and their dense baselines; ``model_name`` is the model whose training step
     is timed (one of ``models.TRAIN_MODELS``). ``serving``: the inference case measures this real
     checkpoint instead, and the serving case measures it in ONNX Runtime as well (``serving_case``'s
-    keyword arguments: checkpoint, reference_name, pair_files, texts, compile_models, onnx_peers, batch)."""
+    keyword arguments: checkpoint, reference_name, pair_files, texts, compile_models, peers, batch)."""
     progress = progress or (lambda message: None)
     rows = []
     for name in cases:

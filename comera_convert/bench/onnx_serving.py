@@ -5,7 +5,7 @@ so that the serving benchmark times and scores them beside the PyTorch methods.
 The dense model's int8 graph is quantized exactly as sentence-transformers'
 ``export_dynamic_quantized_onnx_model`` quantizes its ONNX export (``hf/onnx_int8.py``, without the
 preparation a compressed graph gets): the int8 route a sentence-transformers user takes for the dense
-model, though exported by torch's exporter rather than optimum's. ``peer_files`` adds graphs made
+model, though exported by torch's exporter rather than optimum's. ``peer_methods`` adds graphs made
 elsewhere, such as that export itself made by sentence-transformers in an environment of its own.
 """
 
@@ -43,10 +43,8 @@ class OnnxEncoder(nn.Module):
         return SimpleNamespace(last_hidden_state=torch.from_numpy(self.session.run(None, feeds)[0]))
 
 
-def onnx_methods(reference: nn.Module, compressed: nn.Module, tokenizer, progress,
-                 peer_files=()) -> dict[str, OnnxEncoder]:
-    """The four ONNX Runtime methods (their graphs written to a temporary folder, read, and removed), and a
-    method for each of ``peer_files`` named after its folder and file."""
+def onnx_methods(reference: nn.Module, compressed: nn.Module, tokenizer, progress) -> dict[str, OnnxEncoder]:
+    """The four ONNX Runtime methods, their graphs written to a temporary folder, read, and removed."""
     from ..hf.onnx_export import write_graphs
     from ..hf.onnx_int8 import require_onnxruntime, this_machine_arch
 
@@ -60,11 +58,18 @@ def onnx_methods(reference: nn.Module, compressed: nn.Module, tokenizer, progres
             graphs = write_graphs(model, tokenizer, Path(folder), quantize="int8", arch=arch,
                                   prepare=model is compressed).graphs
             methods[float_name], methods[int8_name] = OnnxEncoder(graphs[0]), OnnxEncoder(graphs[1])
-    for file in map(Path, peer_files):
-        methods[f"peer: {file.parent.name}/{file.name}"] = OnnxEncoder(file)
     return methods
 
 
+def peer_methods(files) -> dict[str, nn.Module]:
+    """A method for each graph made elsewhere, named after its folder and file: ONNX Runtime runs an .onnx
+    file, OpenVINO an .xml one."""
+    from .openvino_serving import OpenVinoEncoder
+
+    return {f"peer: {file.parent.name}/{file.name}": (OpenVinoEncoder if file.suffix == ".xml" else OnnxEncoder)(file)
+            for file in map(Path, files)}
+
+
 def graph_megabytes(model: nn.Module) -> float | None:
-    """The size of an ONNX method's graph file, None for a PyTorch method."""
-    return model.megabytes if isinstance(model, OnnxEncoder) else None
+    """The size of an ONNX or OpenVINO method's graph files, None for a PyTorch method."""
+    return getattr(model, "megabytes", None)

@@ -26,7 +26,7 @@ from itertools import zip_longest
 import torch
 
 from ..errors import ConfigError
-from .onnx_serving import graph_megabytes, onnx_methods
+from .onnx_serving import graph_megabytes, onnx_methods, peer_methods
 
 BATCH = 32  # sentence-transformers' default encode batch
 SEQ_LEN = 256  # tokens a text is cut to (the longest MiniLM and MPNet sentence models embed)
@@ -107,12 +107,13 @@ def timed_rounds(models: dict, batches: list[dict], repeats: int) -> dict[str, f
 
 
 def serving_case(checkpoint: str, reference_name: str | None, pair_files, texts: int, repeats: int,
-                 progress=None, compile_models: bool = False, onnx: bool = False, onnx_peers=(),
+                 progress=None, compile_models: bool = False, onnx: bool = False, peers=(),
                  batch: int = BATCH) -> list[dict]:
     """One row per method: sentences a second, speed against dense, and recall@1 kept per pair domain
     (each of ``pair_files``, else the built-in english corpus's held-out pairs) with its standard
     error; ``compile_models`` adds each method under ``torch.compile``, ``onnx`` the dense and the
-    compressed model in ONNX Runtime, float and int8, and each graph of ``onnx_peers`` (``onnx_serving.py``);
+    compressed model in ONNX Runtime and, where it is installed, OpenVINO, float and int8, and each graph of
+    ``peers`` (``onnx_serving.py``, ``openvino_serving.py``);
     texts are embedded ``batch`` at a time (1: one request at a time, as an online service embeds)."""
     from ..evaluation import load_compared, pair_domain_name
     from ..retrieval import held_out_pairs, kept, model_retrieval, read_pairs
@@ -129,7 +130,7 @@ def serving_case(checkpoint: str, reference_name: str | None, pair_files, texts:
     if compile_models:
         models.update({name + COMPILED: compiled(model) for name, model in list(models.items())})
     if onnx:
-        models.update(onnx_methods(compared.reference, compared.compressed, compared.tokenizer, progress, onnx_peers))
+        models.update(runtime_methods(compared, progress, peers))
     domains = {}
     for file in pair_files:
         domains[pair_domain_name(file, domains)] = read_pairs(file, texts)
@@ -156,6 +157,19 @@ def serving_case(checkpoint: str, reference_name: str | None, pair_files, texts:
              "recall_kept_error": {domain: round(shares[name]["recall_kept_error"], 3)
                                    for domain, shares in quality.items()}}
             for name in models]
+
+
+def runtime_methods(compared, progress, peers) -> dict:
+    """The ONNX Runtime methods, the OpenVINO ones where OpenVINO is installed, and the peers' graphs."""
+    from ..hf.openvino_export import openvino_installed
+    from .openvino_serving import openvino_methods
+
+    methods = onnx_methods(compared.reference, compared.compressed, compared.tokenizer, progress)
+    if openvino_installed():
+        methods.update(openvino_methods(compared.reference, compared.compressed, compared.tokenizer, progress))
+    else:
+        progress("no OpenVINO rows: pip install 'comera-convert[openvino]' to add them")
+    return methods | peer_methods(peers)
 
 
 def needs_a_checkpoint(*_) -> list[dict]:

@@ -39,7 +39,8 @@ COLUMNS = ("method", "shape", "tokens", "ranks", "params_ratio", "flop_ratio", "
               help="inference: a real compressed encoder's sentences a second on the CPU, beside its dense "
                    "source, int8 dynamic quantization of the dense model and int8 compute of its own, each "
                    "with its retrieval recall@1 kept (instead of random bert-base); serving: the same, and "
-                   "both models in ONNX Runtime, float and int8 as sentence-transformers quantizes (needs it).")
+                   "both models in ONNX Runtime and OpenVINO, float and int8 as sentence-transformers "
+                   "quantizes (needs them).")
 @click.option("--reference", metavar="NAME", help="--checkpoint: the dense model [default: its recorded source].")
 @click.option("--pairs", "pair_files", multiple=True, type=click.Path(exists=True, dir_okay=False), metavar="FILE",
               help="--checkpoint: JSONL query/document pairs, a domain each (repeatable) [default: held-out "
@@ -49,14 +50,15 @@ COLUMNS = ("method", "shape", "tokens", "ranks", "params_ratio", "flop_ratio", "
 @click.option("--batch", type=click.IntRange(min=1), default=None,
               help="--checkpoint: texts embedded at a time, 1 for one request at a time [default: 32, "
                    "sentence-transformers' encode batch].")
-@click.option("--onnx-peer", "onnx_peers", multiple=True, type=click.Path(exists=True, dir_okay=False), metavar="FILE",
-              help="serving: an ONNX graph made elsewhere to time and score beside the others (repeatable), "
-                   "e.g. sentence-transformers' own int8 export of the dense model.")
+@click.option("--peer", "peers", multiple=True, type=click.Path(exists=True, dir_okay=False), metavar="FILE",
+              help="serving: a graph made elsewhere to time and score beside the others (repeatable): an .onnx "
+                   "file runs in ONNX Runtime, an OpenVINO .xml in OpenVINO; e.g. sentence-transformers' own int8 "
+                   "exports of the dense model.")
 @click.option("--compile", "compile_models", is_flag=True,
               help="--checkpoint: also time each method under torch.compile (compiled in the untimed "
                    "warm-up; needs a C++ compiler).")
 def bench(cases, quick, device, dtype, repeats, json_path, variants, model_name, checkpoint, reference, pair_files,
-          texts, batch, onnx_peers, compile_models):
+          texts, batch, peers, compile_models):
     """Measure CASES (default: all but serving): layer, embedding, train-step, convert, inference, serving."""
     import torch
 
@@ -88,12 +90,12 @@ def bench(cases, quick, device, dtype, repeats, json_path, variants, model_name,
                               f"{', '.join(cases)}")
         if device != "cpu":
             raise ConfigError(f"--checkpoint measures CPU serving (int8 kernels run on the CPU), not --device {device}")
-        if onnx_peers and "serving" not in cases:
-            raise ConfigError("--onnx-peer adds a graph to the serving case, and the cases are " + ", ".join(cases))
+        if peers and "serving" not in cases:
+            raise ConfigError("--peer adds a graph to the serving case, and the cases are " + ", ".join(cases))
         serving = {"checkpoint": checkpoint, "reference_name": reference, "pair_files": pair_files, "texts": texts,
-                   "compile_models": compile_models, "onnx_peers": onnx_peers, "batch": batch or BATCH}
-    elif reference or pair_files or compile_models or onnx_peers or batch:
-        raise ConfigError("--reference, --pairs, --batch, --compile and --onnx-peer go with --checkpoint")
+                   "compile_models": compile_models, "peers": peers, "batch": batch or BATCH}
+    elif reference or pair_files or compile_models or peers or batch:
+        raise ConfigError("--reference, --pairs, --batch, --compile and --peer go with --checkpoint")
     repeats = repeats or (2 if quick else 5)
     out = console()
     with progress_display() as update:

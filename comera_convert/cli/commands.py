@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from ..choices import ALLOCATIONS, FFN_METHODS, INT8_ARCHES, WORD_EMBEDDINGS
+from ..choices import ALLOCATIONS, EXPORT_FORMATS, FFN_METHODS, INT8_ARCHES, WORD_EMBEDDINGS
 from ..errors import ConfigError
 from ..models import TASK_CLASSES
 from . import main
@@ -319,30 +319,45 @@ def frontier(models, pair_files, texts, no_peers, plot, json_path):
         write_text_atomic(Path(json_path), json.dumps(result, indent=2) + "\n")
 
 
-@main.command(name="export-onnx")
-@click.argument("model")
-@click.option("--out", type=click.Path(),
-              help="A copy of MODEL without its PyTorch weights to write into (config, tokenizer, sentence-"
-                   "transformers modules, onnx/); default: onnx/ inside MODEL.")
-@click.option("--quantize", type=click.Choice(["int8"]),
-              help="Also write onnx/model_qint8_ARCH.onnx, quantized as sentence-transformers quantizes its exports.")
-@click.option("--arch", type=click.Choice(INT8_ARCHES),
-              help="CPU the int8 graph is quantized for (its file name says which)  [default: this machine's]")
-@click.option("--opset", type=int, default=18, show_default=True, help="ONNX operator set (18 or later).")
-@click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True,
-              help="Precision of the exported graph.")
-@click.option("--overwrite", is_flag=True, help="Replace a non-empty --out folder, or MODEL's onnx/.")
-def export_onnx(model, out, quantize, arch, opset, dtype, overwrite):
-    """Export compressed MODEL to ONNX, still compressed, checked with onnxruntime against PyTorch; loads with
-    SentenceTransformer(folder, backend="onnx") where comera_convert is not installed."""
-    from ..hf.onnx_export import export_onnx as run_export
+def _export_options(command):
+    options = [
+        click.argument("model"),
+        click.option("--format", "fmt", type=click.Choice(EXPORT_FORMATS), default="onnx", show_default=True,
+                     help="Runtime to serve in: graphs go in onnx/ (ONNX Runtime) or openvino/ (OpenVINO), "
+                          "where sentence-transformers' backend of that name looks."),
+        click.option("--out", type=click.Path(),
+                     help="A copy of MODEL without its PyTorch weights to write into (config, tokenizer, sentence-"
+                          "transformers modules, the graphs' folder); default: the graphs' folder inside MODEL."),
+        click.option("--quantize", type=click.Choice(["int8"]),
+                     help="Also write the int8 graph, quantized as sentence-transformers quantizes its exports: "
+                          "onnx/model_qint8_ARCH.onnx (dynamic), or openvino/openvino_model_qint8_quantized.xml "
+                          "(static, calibrated on the package's english corpus)."),
+        click.option("--arch", type=click.Choice(INT8_ARCHES),
+                     help="CPU the ONNX int8 graph is quantized for (its file name says which)  "
+                          "[default: this machine's]"),
+        click.option("--opset", type=int, default=18, show_default=True, help="ONNX operator set (18 or later)."),
+        click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True,
+                     help="Precision of the exported ONNX graph."),
+        click.option("--overwrite", is_flag=True, help="Replace a non-empty --out folder, or MODEL's graphs folder."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+@main.command(name="export")
+@_export_options
+def export(model, fmt, out, quantize, arch, opset, dtype, overwrite):
+    """Export compressed MODEL for ONNX Runtime or OpenVINO, still compressed, checked against PyTorch; loads
+    with SentenceTransformer(folder, backend="onnx" or "openvino") where comera_convert is not installed."""
+    from ..hf.export import export_model
 
     start = time.perf_counter()
     with progress_display() as progress:
-        result = run_export(model, out, opset=opset, dtype=dtype, quantize=quantize, arch=arch, overwrite=overwrite,
-                            progress=progress)
-    checked = ("not checked: onnxruntime is not installed" if result.max_difference is None
-               else f"onnxruntime agrees with PyTorch to {result.max_difference:.1e}")
+        result = export_model(model, out, opset=opset, dtype=dtype, quantize=quantize, arch=arch, overwrite=overwrite,
+                            fmt=fmt, progress=progress)
+    checked = (f"not checked: {result.checked_by} is not installed" if result.max_difference is None
+               else f"{result.checked_by} agrees with PyTorch to {result.max_difference:.1e}")
     console().print(f"[green]wrote[/] {result.graphs[0]} (opset {result.opset}, output "
                     f"{result.output_name}; {checked}) in {time.perf_counter() - start:.1f} s", soft_wrap=True)
     if result.int8_difference is not None:
@@ -350,3 +365,11 @@ def export_onnx(model, out, quantize, arch, opset, dtype, overwrite):
                         f"{result.int8_difference:.1%} of PyTorch's)", soft_wrap=True)
     for note in result.notes:
         console().print(f"[yellow]note:[/] {note}", soft_wrap=True)
+
+
+@main.command(name="export-onnx", hidden=True)
+@_export_options
+@click.pass_context
+def export_onnx(ctx, **options):
+    """`comera export` under its earlier name."""
+    ctx.invoke(export, **options)

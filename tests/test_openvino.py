@@ -1,0 +1,105 @@
+"""OpenVINO export of compressed checkpoints: where sentence-transformers' openvino backend looks, float and
+int8, each graph computing what PyTorch does."""
+
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from comera_convert.cli import main
+from comera_convert.errors import ConfigError
+from comera_convert.hf.export import export_model
+
+from .test_onnx import sentence_folder
+from .tiny_models import inputs, outputs, serving_checkpoint
+
+openvino = pytest.importorskip("openvino")
+pytest.importorskip("nncf")
+pytest.importorskip("onnxruntime")
+
+
+def run(file, batch, precision=None):
+    from comera_convert.hf.openvino_export import compile_graph, run_graph
+
+    compiled = compile_graph(file, {"INFERENCE_PRECISION_HINT": precision} if precision else None)
+    return torch.from_numpy(run_graph(compiled, {name: value.numpy() for name, value in batch.items()}))
+
+
+def test_openvino_graphs_go_where_sentence_transformers_looks_and_compute_what_pytorch_does(tmp_path):
+    model, path = sentence_folder(tmp_path)
+    result = export_model(str(path), tmp_path / "served", quantize="int8", fmt="openvino")
+    served = tmp_path / "served"
+    assert result.graphs == [served / "openvino" / "openvino_model.xml",
+                             served / "openvino" / "openvino_model_qint8_quantized.xml"]
+    assert sorted(p.name for p in (served / "openvino").iterdir()) == [
+        "openvino_model.bin", "openvino_model.xml", "openvino_model_qint8_quantized.bin",
+        "openvino_model_qint8_quantized.xml"]
+    assert not (served / "onnx").exists() and not list(served.glob("*.safetensors"))
+    assert {"modules.json", "1_Pooling", "config.json", "tokenizer.json"} <= {p.name for p in served.iterdir()}
+    assert result.checked_by == "OpenVINO" and result.max_difference < 1e-4
+    batch = inputs(seed=4)  # another batch and length than the export's sample
+    batch = {k: v[:, :9].repeat(2, 1)[:3] for k, v in batch.items()}
+    expected = outputs(model, batch)
+    assert torch.allclose(run(result.graphs[0], batch, "f32"), expected, atol=1e-4)
+    int8 = run(result.graphs[1], batch)
+    assert 0 < float((int8 - expected).norm() / expected.norm()) < 0.05  # rounded, yet the same function
+    assert 0 < result.int8_difference < 0.05
+    # int8 weights: the quantized graph's weight file is well under the float one's
+    assert (served / "openvino" / "openvino_model_qint8_quantized.bin").stat().st_size < \
+        0.6 * (served / "openvino" / "openvino_model.bin").stat().st_size
+
+
+def test_openvino_export_into_the_checkpoint_replaces_only_its_openvino_folder(tmp_path):
+    _, path = sentence_folder(tmp_path)
+    export_model(str(path), fmt="onnx")
+    result = export_model(str(path), fmt="openvino")
+    assert result.graphs == [path / "openvino" / "openvino_model.xml"]
+    assert (path / "onnx" / "model.onnx").is_file()  # the ONNX graph stays beside it
+    with pytest.raises(ConfigError, match="openvino exists: pass --overwrite to replace it, or give --out"):
+        export_model(str(path), fmt="openvino")
+
+
+def test_openvino_requests_that_cannot_work_are_refused_before_writing(tmp_path, monkeypatch):
+    _, path = sentence_folder(tmp_path)
+    with pytest.raises(ConfigError, match="--format openvino with --dtype float16: OpenVINO graphs are written in "
+                                          "float32"):
+        export_model(str(path), tmp_path / "a", fmt="openvino", dtype="float16")
+    with pytest.raises(ConfigError, match="--arch avx2 names an ONNX int8 file"):
+        export_model(str(path), tmp_path / "a", fmt="openvino", quantize="int8", arch="avx2")
+    with pytest.raises(ConfigError, match="--format tflite: graphs are written for onnx or openvino"):
+        export_model(str(path), tmp_path / "a", fmt="tflite")
+    monkeypatch.setitem(sys.modules, "nncf", None)  # as if it were not installed
+    with pytest.raises(ConfigError, match=r"--format openvino needs openvino and nncf: pip install "
+                                          r"'comera-convert\[openvino\]'"):
+        export_model(str(path), tmp_path / "a", fmt="openvino")
+    assert not (tmp_path / "a").exists() and not (path / "openvino").exists()
+
+
+def test_cli_export_says_which_runtime_checked_and_the_earlier_name_still_works(tmp_path):
+    _, path = sentence_folder(tmp_path)
+    result = CliRunner().invoke(main, ["export", str(path), "--format", "openvino", "--out", str(tmp_path / "ov")])
+    assert result.exit_code == 0, result.output
+    assert "OpenVINO agrees with PyTorch" in result.output
+    earlier = CliRunner().invoke(main, ["export-onnx", str(path), "--out", str(tmp_path / "o")])
+    assert earlier.exit_code == 0, earlier.output
+    assert "onnxruntime agrees with PyTorch" in earlier.output and (tmp_path / "o" / "onnx" / "model.onnx").is_file()
+    assert "export-onnx" not in CliRunner().invoke(main, ["--help"]).output  # one name in the list
+
+
+def test_bench_serving_adds_openvino_float_and_int8_and_a_peer_graph(tmp_path):
+    checkpoint, dense, pairs = serving_checkpoint(tmp_path)
+    peer = export_model(str(checkpoint), tmp_path / "peer", fmt="openvino").graphs[0]  # made apart
+    result = CliRunner().invoke(main, ["bench", "serving", "--checkpoint", str(checkpoint), "--reference", str(dense),
+                                       "--pairs", str(pairs), "--texts", "12", "--repeats", "1", "--json",
+                                       "--peer", str(peer)])
+    assert result.exit_code == 0, result.output
+    rows = {row["method"]: row for row in json.loads(result.output)["rows"]}
+    assert {"dense, OpenVINO", "dense, OpenVINO int8 (NNCF, as sentence-transformers quantizes)",
+            "comera, OpenVINO", "comera, OpenVINO int8", "peer: openvino/openvino_model.xml"} <= set(rows)
+    assert rows["comera, OpenVINO int8"]["file_mb"] > 0 and "file_mb" not in rows["dense"]  # graph and weights
+    assert all(np.isfinite(row["sentences_per_s"]) and row["sentences_per_s"] > 0 for row in rows.values())
+    # OpenVINO computes in bfloat16 where the CPU has it: the same retrieval, give or take rounding
+    assert rows["dense, OpenVINO"]["recall_kept"]["words"] >= 0.8
