@@ -6,12 +6,14 @@
 #   5.3     transformers 5.3.0, what model2vec[distill] pins, with the CPU torch these machines carry
 #   newest  the newest torch and transformers releases inside the ranges that pip installs here, with
 #           the project and every dependency (pip's resolver picks them together, as for users)
+#   openvino  openvino 2024.4.0 and nncf 2.14.0, the lower bounds of the openvino extra, with the CPU
+#           torch these machines carry: the OpenVINO export's tests
 #
-#   tools/test_dependency_ends.sh                # all three
+#   tools/test_dependency_ends.sh                # all four
 #   ENDS="lowest" tools/test_dependency_ends.sh  # one of them
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ENDS=${ENDS:-"lowest 5.3 newest"}
+ENDS=${ENDS:-"lowest 5.3 newest openvino"}
 # What the README's commands go through: conversion (streamed and in memory), the three loading
 # ways, saving, carried files, report, eval, train and decompress from the CLI, the real MiniLM.
 # Their fast tests, and of the slow ones only those marked `ends` (the real MiniLM converted and
@@ -39,19 +41,22 @@ print(versions["torch"], versions["transformers"])' "$report"
 }
 
 for end in $ENDS; do
+    pins=()
     case $end in
         lowest) torch=2.4.0; transformers=5.1.0; tests=("${INTEGRATION[@]}") ;;
         5.3) torch=2.13.0; transformers=5.3.0; tests=(tests/test_compat.py tests/test_failures.py tests/test_minilm.py) ;;
         newest) read -r torch transformers < <(newest) || { echo "pip resolves no torch and transformers here" >&2; exit 1; }
                 tests=("${INTEGRATION[@]}") ;;
-        *) echo "unknown end $end (lowest, 5.3, newest)" >&2; exit 2 ;;
+        openvino) torch=2.13.0; transformers=5.3.0; pins=("openvino==2024.4.0" "nncf==2.14.0")
+                  tests=(tests/test_openvino.py) ;;
+        *) echo "unknown end $end (lowest, 5.3, newest, openvino)" >&2; exit 2 ;;
     esac
     env="${TMPDIR:-/tmp}/comera-ends-$end"
     rm -rf "$env"
     python -m venv "$env"
     echo "== $end: torch $torch, transformers $transformers"
     start=$SECONDS
-    "$env/bin/pip" install -q --disable-pip-version-check "torch==$torch" "transformers==$transformers" -e ".[dev]" \
+    "$env/bin/pip" install -q --disable-pip-version-check "torch==$torch" "transformers==$transformers" ${pins[@]+"${pins[@]}"} -e ".[dev]" \
         >"$env.log" 2>&1 || { tail -30 "$env.log"; exit 1; }
     "$env/bin/python" -c "import torch, transformers; print('installed torch', torch.__version__, \
 'transformers', transformers.__version__, 'in', $SECONDS - $start, 's')"

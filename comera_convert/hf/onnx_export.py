@@ -218,11 +218,11 @@ def _check_int8(file: Path, sample: dict, expected: torch.Tensor) -> float:
     return relative_error(_run_graph(onnxruntime, file, sample), expected, "the int8 graph")
 
 
-def relative_error(got: torch.Tensor, expected: torch.Tensor, what: str) -> float:
+def relative_error(got: torch.Tensor, expected: torch.Tensor, what: str, tolerance: float = INT8_TOLERANCE) -> float:
     """An int8 graph's relative error against PyTorch on the sample; a graph that computes something else
-    (error above ``INT8_TOLERANCE``) is an error."""
+    (error above ``tolerance``) is an error."""
     error = float((got.float() - expected.float()).norm() / expected.float().norm())
-    if not error <= INT8_TOLERANCE:
+    if not error <= tolerance:
         raise ConfigError(f"{what} strays from PyTorch: relative error {error:.3g} against at most "
-                          f"{INT8_TOLERANCE}; nothing was written")
+                          f"{tolerance}; nothing was written")
     return error
