@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from . import main
+from .group import main
 from ..choices import BENCH_CASES as CASE_NAMES, CHECKPOINT_CASES, TRAIN_MODELS
 from .console import console, echo_json, progress_display
 

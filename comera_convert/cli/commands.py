@@ -11,15 +11,13 @@ import click
 from ..choices import ALLOCATIONS, EXPORT_FORMATS, FFN_METHODS, INT8_ARCHES, WORD_EMBEDDINGS
 from ..errors import ConfigError
 from ..models import TASK_CLASSES
-from . import main
+from .group import ARGV_KEY, main
 from .console import console, echo_json, progress_display
 
 
 def command_line() -> str:
     """The command as typed, for the report and model card (`comera convert minilm --ratio 4`)."""
     import shlex
-
-    from . import ARGV_KEY
 
     return shlex.join(["comera", *click.get_current_context().meta.get(ARGV_KEY, [])])
 

