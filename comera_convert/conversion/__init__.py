@@ -14,7 +14,8 @@ result a transformers model that saves and loads compressed (hf/).
 """
 
 from .calibration import Calibration, calibrate
-from .converter import convert_modules, count_params
+from .converter import convert_modules
+from .model_facts import count_params
 from .options import ConvertOptions
 from .report import ConversionReport, ModuleRow
 

@@ -27,16 +27,10 @@ from .records import tie_head
 from .report import ConversionReport, describe
 from .storage import integer_storage, round_in_place
 from .strategies import STRATEGIES, UNIFORM_DESCRIPTION, Allocation, AllocationRequest
+from .model_facts import count_params, input_embedding_names
 from .targets import find_candidates
 
 logger = logging.getLogger("comera_convert")
-
-
-def count_params(model: nn.Module) -> int:
-    """Parameters of the model, each shared tensor counted once; a codebook table's codes count as
-    the parameters they weigh as much as (``CodebookEmbedding.stored_params``)."""
-    codes = sum(m.stored_params() - m.codebooks.numel() for m in model.modules() if isinstance(m, CodebookEmbedding))
-    return sum(p.numel() for p in model.parameters()) + codes
 
 
 def convert_modules(model: nn.Module, options: ConvertOptions, calibration: Calibration | None = None,
@@ -104,15 +98,6 @@ def codebook_tables(model: nn.Module, candidates, options: ConvertOptions) -> fr
     if options.word_embedding != "codebook":
         return frozenset()
     return input_embedding_names(model, candidates)
-
-
-def input_embedding_names(model: nn.Module, candidates) -> frozenset[str]:
-    """The candidates that are the model's input embedding (none where it has no such accessor)."""
-    try:
-        table = model.get_input_embeddings()
-    except (AttributeError, NotImplementedError):
-        return frozenset()
-    return frozenset(c.name for c in candidates if c.module is table)
 
 
 def _allocate(model, candidates, params_before, options, choice, calibration, progress) -> Allocation:

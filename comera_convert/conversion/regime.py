@@ -21,7 +21,7 @@ import math
 from torch import nn
 
 from ..codebook import CodebookSpec
-from .converter import count_params, input_embedding_names
+from .model_facts import count_params, input_embedding_names
 from .targets import find_candidates
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from .model_facts import count_params
+
 REPORT_FILE = "comera_report.json"
 # What stays true of a checkpoint after more training: how it was made and from what. Measurements
 # of the model as it was (`comera eval`'s figures, timings, an earlier training record) do not.
@@ -116,7 +118,6 @@ def describe(model, **fields) -> ConversionReport:
     rest (skipped modules, timing, target ratio) where the caller knows them.
     """
     from ..layers import CodebookEmbedding, PrunedLinear, TiedTTHead, TTModule
-    from .converter import count_params
 
     rows = []
     for name, module in model.named_modules():

@@ -17,7 +17,7 @@ from pathlib import Path
 from torch import nn
 
 from ..conversion import Calibration, ConversionReport, ConvertOptions, calibrate, convert_modules
-from ..conversion.converter import count_params
+from ..conversion.model_facts import count_params
 from ..conversion.report import lineage
 from ..conversion.storage import cast_for_storage, integer_storage, round_in_place, storage_record
 from ..hf.compat import untie_converted_heads
