@@ -2,7 +2,10 @@
 (BENCHMARKS.md) instead of copying them, every link into BENCHMARKS.md names a section that exists,
 and the README stays a front page."""
 
+import ast
+import io
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -39,6 +42,28 @@ def long_comments_with_figures(root: Path) -> list[str]:
     return found
 
 
+# A measurement quoted as a result: a share or cosine to three places (0.874), a comparison (0.84 against
+# 0.83), a speed-up (1.12x faster). Shapes and versions (14x smaller, 5.2x) are not measurements.
+MEASURED = re.compile(r"(?<![\w.])0\.\d{3}(?!\d)|\d(?:\.\d+)? against \d|\d+(?:\.\d+)?x (?:faster|slower)")
+
+
+def prose(source: str):
+    """(line, text) of every comment and docstring of a module's source."""
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            yield token.start[0], token.string
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                yield node.body[0].lineno, doc
+
+
+def measured_figures_in_prose(root: Path) -> list[str]:
+    return [f"{path.relative_to(root)}:{line}: {found.group(0)}" for path in sorted(root.rglob("*.py"))
+            for line, text in prose(path.read_text()) for found in MEASURED.finditer(text)]
+
+
 def github_anchors(markdown: str) -> set[str]:
     """The anchors GitHub (and the docs site, whose slugs follow it) gives a file's headings."""
     anchors, seen = set(), {}
@@ -60,6 +85,17 @@ def test_the_comment_check_finds_figures(tmp_path):
     (tmp_path / "m.py").write_text("# why\n# measured: 0.863 of dense\n# and more\n# and more\nX = 1\n"
                                    "# short, 0.863\nY = 2\n# long\n# without\n# any figure\n# at all\nZ = 3\n")
     assert long_comments_with_figures(tmp_path) == ["m.py:1"]
+
+
+def test_no_comment_or_docstring_quotes_a_measurement():
+    """Figures go stale silently in code: they live in the records (docs/findings.md, BENCHMARKS.md)."""
+    assert not measured_figures_in_prose(ROOT), measured_figures_in_prose(ROOT)
+
+
+def test_the_measurement_check_finds_one(tmp_path):
+    (tmp_path / "m.py").write_text('"""Fast: 1.12x faster."""\n# keeps 0.874\nX = 0.874  # a value, not prose\n'
+                                   'def f():\n    """0.84 against 0.83."""\n# 14x smaller; transformers 5.2x\n')
+    assert measured_figures_in_prose(tmp_path) == ["m.py:2: 0.874", "m.py:1: 1.12x faster", "m.py:5: 0.84 against 0"]
 
 
 def test_every_link_into_benchmarks_names_a_section():

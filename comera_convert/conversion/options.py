@@ -55,8 +55,8 @@ RECONSTRUCTION_MIN_SEQUENCES = 2 * RECONSTRUCTION_HELD_OUT
 # The allocations that share one maximum rank out (scaled per layer): the ones a codebook word
 # table, which costs the same at every rank, works with.
 SHARED_RANK = ("uniform", "learned")
-# The largest per-layer multiple of the shared rank rank_scales may ask for: learned scales reached
-# 3.5x (all-mpnet-base-v2's first feed-forward layer); a layer at its break-even rank stays dense.
+# The largest per-layer multiple of the shared rank rank_scales may ask for, far above what learned
+# scales reach; a layer at its break-even rank stays dense.
 MAX_RANK_SCALE = 64.0
 
 

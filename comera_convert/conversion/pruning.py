@@ -13,12 +13,9 @@ of up are its dense rows, refit to the compressed inputs where the calibration c
 
 Why: a feed-forward layer's hidden activations are not low-rank the way attention's projections
 are, and a low-rank up confines every hidden neuron's input to one shared subspace; pruning keeps
-the neurons it keeps exact. On all-mpnet-base-v2's feed-forward layers alone (attention dense, no
-compensation), at the cut `--ratio 2` gives the linears (1.6x) the pruned pairs kept mean cosine
-0.939 to the dense embeddings against 0.850 for whitened low-rank pairs, at 3.4x 0.783 against
-0.588; in the pipeline `--ratio 2` keeps 0.956 of dense recall@1 against 0.916, and on MiniLM,
-`--ratio 4` 0.916 against 0.909, cosine higher on every domain of both.
-docs/findings.md
+the neurons it keeps exact. Pruned pairs keep more of the dense embeddings than whitened low-rank
+pairs, on the feed-forward layers alone and in the whole pipeline, on MiniLM and all-mpnet-base-v2
+(docs/findings.md).
 """
 
 from __future__ import annotations

@@ -171,8 +171,8 @@ def _layout_notes(model: nn.Module) -> list[str]:
     ttm = [name for name, module in model.named_modules() if isinstance(module, TTModule) and module.layout == "ttm"]
     if not ttm:
         return []
-    return [f"{len(ttm)} ttm layers (such as {ttm[0]}): onnxruntime runs ttm contractions slowly (MiniLM: "
-            f"13x the time of the same model in tt); convert with --layout tt --embedding-layout tt to serve"]
+    return [f"{len(ttm)} ttm layers (such as {ttm[0]}): onnxruntime runs ttm contractions many times slower "
+            "than tt; convert with --layout tt --embedding-layout tt to serve"]
 
 
 def _write_config(config, directory: Path) -> None:

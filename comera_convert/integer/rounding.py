@@ -25,9 +25,8 @@ from ..errors import ConfigError, ModelLoadError, expected
 # Bits a value can be rounded to; checkpoints store 8 and 4 (two a byte), 3 and 2 are for
 # measuring rounding as a peer (`comera eval --baselines`).
 BITS = (8, 4, 3, 2)
-# Shrinks of the largest magnitude tried as the clipping level of each group (1.0: no clipping).
-# On MiniLM's --ratio 4 factors, int4 in groups of 128: relative error 0.108 without the search,
-# 0.097 with it (int8 per channel: 0.0079 and 0.0075).
+# Shrinks of the largest magnitude tried as the clipping level of each group (1.0: no clipping); the
+# search lowers the rounding error, most in int4 (docs/findings.md).
 SHRINKS = tuple(1.0 - 0.05 * k for k in range(11))
 SCALE_DTYPE = torch.float16
 

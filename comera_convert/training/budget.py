@@ -8,8 +8,8 @@ size at the switch to the target ratio along a cubic (AdaLoRA's schedule, Zhang 
 quickly at first, while many entries are barely used, slowly near the target ratio, where every
 closure costs more. Whenever the size is over budget, the open entries whose importance per
 parameter freed is lowest close for good, but no bond below a quarter of its starting rank (a
-bond emptied to rank 1 cuts its layer off; measured on MiniLM 2x -> 4x, 300 steps: held-out
-cosine 0.686 with the floor, 0.668 without), or the largest lower share that lets the target ratio be
+bond emptied to rank 1 cuts its layer off; the floor keeps more, docs/findings.md), or the largest
+lower share that lets the target ratio be
 reached. The rest of the late stage trains at the reached
 ranks, so the cores recover from the last closures before export.
 
@@ -22,8 +22,8 @@ import math
 from dataclasses import dataclass, field
 
 # Default share of the late stage over which the budget falls to the target ratio (--budget-share); the rest
-# trains at the final ranks (as AdaLoRA's last steps). Over three quarters (before) MiniLM 4x -> 8x kept
-# 0.884 of dense recall@1, over 0.15 0.920: too little time was left at the final shapes.
+# trains at the final ranks (as AdaLoRA's last steps). Over three quarters too little time was left at the
+# final shapes (docs/findings.md).
 SCHEDULE_SHARE = 0.15
 
 
@@ -35,9 +35,8 @@ def scheduled_size(start: int, target: int, progress: float) -> int:
 
 # The fewest entries a bond keeps, as a share of its rank when training started.
 MIN_KEPT_SHARE = 0.25
-# Lower shares tried in turn when the target ratio needs them (a mild conversion heading for a hard ratio:
-# MiniLM at --ratio 2, where the word table holds most of the cut, reaches 3.12x at a quarter); 0
-# keeps one entry per bond.
+# Lower shares tried in turn when the target ratio needs them (a mild conversion heading for a hard ratio,
+# where the word table holds most of the cut, stops short of it at a quarter); 0 keeps one entry per bond.
 FALLBACK_KEPT_SHARES = (0.125, 0.0625, 0.0)
 
 

@@ -1,10 +1,10 @@
 """Dense layers opened to the gates, so a mild conversion can compress further while it trains.
 
 A conversion keeps a layer dense where its factorization at the shared rank would not be smaller
-(MiniLM at ``--ratio 2``: rank 282 of a 384 x 384 attention projection costs more than the matrix).
-The gates cannot shrink such a layer, so a target ratio can lie beyond what they reach (MiniLM
-``--ratio 2`` stops at 3.82x with every bond at rank 1). Opened, each dense linear of the block stack
-becomes a gated low-rank pair at full rank: the SVD's two factors, exact to rounding, so the model
+(a mild ratio's rank on a square attention projection can cost more than the matrix). The gates
+cannot shrink such a layer, so a target ratio can lie beyond what they reach even with every bond at
+rank 1 (docs/findings.md). Opened, each dense linear of the block stack becomes a gated low-rank
+pair at full rank: the SVD's two factors, exact to rounding, so the model
 computes what it did, at twice the parameters of a square layer until the budget closes half of its
 directions. The budget then weighs its directions against every other layer's. One that ends the
 run above half its rank is saved dense again (``fold_oversized``): the pair would hold more than the

@@ -203,7 +203,7 @@ class TrainOptions:
     # None: on under a target ratio where the ranks are cut.
     reproject: bool | None = None
     # When --reproject rewrites the pairs: "switch" (once) or "cuts" (at the switch and at every later
-    # rank cut, the Gram matrices gathered afresh in between; MiniLM 2x -> 4x cosine 0.003-0.005 lower).
+    # rank cut, the Gram matrices gathered afresh in between; no better, docs/findings.md).
     reproject_at: str = "switch"
     max_eval_blocks: int = 64
     version: int = 1

@@ -39,8 +39,8 @@ CHECKPOINTS = "checkpoints"
 # TrainOptions.lr_scheduler_type -> transformers' name; each starts with the linear warm-up.
 SCHEDULERS = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
 # The training set holds up to this many times the blocks the steps draw (python-stdlib: all of
-# it), so that the draws spread over the corpus instead of its first documents: distilling the
-# packaged MiniLM at --ratio 4 for 600 steps reached a held-out cosine of 0.874 against 0.851.
+# it), so that the draws spread over the corpus instead of its first documents, which distils to a
+# higher held-out cosine (docs/findings.md).
 READ_AHEAD = 4
 # A ratio that moved less than this share kept the model's size: a loss that rose bought nothing.
 SAME_SIZE = 0.005
@@ -204,10 +204,9 @@ def training_arguments(options: TrainOptions, output_dir: Path, **overrides):
 
 def native_bf16_cpu() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX tiles). There bf16 autocast
-    trains faster than float32: the MiniLM --ratio 4 distillation on 2 cores takes 1.12x the steps
-    in the same minutes (a bf16 GEMM of its shapes runs 2.5x faster, the teacher's forward 1.6x);
-    elsewhere bfloat16 is emulated and slower than float32. A torch too old to ask (2.4 has
-    neither probe) is taken as emulating: float32 is the safe default there."""
+    trains faster than float32, more steps in the same minutes (docs/findings.md); elsewhere bfloat16
+    is emulated and slower than float32. A torch too old to ask (2.4 has neither probe) is taken as
+    emulating: float32 is the safe default there."""
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
 
@@ -318,8 +317,8 @@ def open_session(model_name: str, options: TrainOptions) -> Session:
     if options.distill_states == "cosine" and objective != "distill":
         raise ConfigError(f"--distill-states {options.distill_states} needs the distill objective; "
                           f"this run trains with {objective}")
-    # Integer factors (the config's storage record) keep the relative MSE: on the 32.6x int4
-    # checkpoint (cut 5.1x) five minutes by each token's cosine ended level with it.
+    # Integer factors (the config's storage record) keep the relative MSE: each token's cosine ended
+    # level with it on an int4 checkpoint (docs/findings.md).
     cut = None if quantization.get("storage") else recorded_layers_cut(path, options.target_ratio)
     by_cut = objective == "distill" and options.distill_states is None and cut is not None
     options = options.for_objective(objective, encoder, cut)

@@ -21,9 +21,8 @@ from ..errors import ShapeError, expected
 from .decompose import decomposition_dtype
 from .spec import TTSpec
 
-# One sweep (cores 1..d, then back to 2) of eight CG steps each: on all-MiniLM-L6-v2's linear
-# layers it lowers the error on the inputs 1.7x to 2.5x (an FFN layer at rank 121: 0.142 -> 0.065,
-# 0.5 to 1 s on one thread); two sweeps reach 0.059, four of sixteen steps 0.053 for 14x the time.
+# One sweep (cores 1..d, then back to 2) of eight CG steps each: most of what more sweeps and steps
+# reach, at a fraction of their time (docs/findings.md).
 SWEEPS = 1
 CG_STEPS = 8
 

@@ -16,7 +16,7 @@ ttm layout (interleaved input / output modes). S does not factor over the modes,
 can only weight rows (the Gram diagonal, or token frequencies for embeddings), approximated by a
 product of one weight vector per input mode; scaling rows by that product, TTM-SVD, and dividing
 each core's input mode by its vector is then exact. For linear layers, alternating least squares
-on the whole Gram matrix (``als``) then refines those cores: 1.7x to 2.5x lower error on the inputs.
+on the whole Gram matrix (``als``) then refines those cores, lowering the error on the inputs.
 """
 
 from __future__ import annotations

@@ -10,12 +10,10 @@ dense model's mean-pooled last hidden states on the probe sequences (``Calibrati
 That costs two conversions per kind (17 for a BERT encoder), each of a copy of the model: it
 needs memory for a second model, and is meant for models that convert in seconds.
 
-Measured on all-MiniLM-L6-v2 at ``--ratio 4`` (docs/findings.md): the search gives query,
-key, attention output and the position embedding 0.6 of the shared rank and the word embedding and
-FFN output 1.4; the held-out embedding cosine goes from 0.702 to 0.742 before training, for a
-conversion of 84 s instead of 2.4 s on 2 cores. After distillation it ends no better (0.855
-against 0.866 with the earlier 1500-step recipe, 0.884 against 0.897 with the current one), so it
-stays opt-in.
+On all-MiniLM-L6-v2 the search gives query, key, attention output and the position embedding
+less than the shared rank and the word embedding and FFN output more; the held-out embedding cosine
+rises before training, for a conversion many times longer, and after distillation it ends no better
+(docs/findings.md), so it stays opt-in.
 """
 
 from __future__ import annotations

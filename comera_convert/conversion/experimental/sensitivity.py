@@ -9,8 +9,8 @@ the summed squared errors per added parameter, while the whole model still meets
 last step of a layer is keeping it dense, which removes its error at the price of all its
 parameters.
 
-Measured on all-MiniLM-L6-v2 (docs/findings.md) it is worse than one shared rank at both
-ratios (embedding cosine 0.88 against 0.95 at ``--ratio 2``, 0.62 against 0.70 at ``--ratio 4``).
+Measured on all-MiniLM-L6-v2 it keeps less than one shared rank at both ``--ratio 2`` and
+``--ratio 4`` (docs/findings.md).
 The weighted-energy estimate is dominated by a few outlier activation directions, so it starves
 layers whose errors matter more than their estimate says, and it cannot see how errors compound
 through the network. It is therefore opt-in (``allocation="sensitivity"``); the shared rank
