@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+from pathlib import Path
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -226,3 +228,19 @@ def test_bench_serving_times_a_graph_made_elsewhere_beside_its_own(tmp_path):
     refused = CliRunner().invoke(main, ["bench", "inference", "--checkpoint", str(checkpoint),
                                         "--peer", str(peer)])
     assert refused.exit_code == 1 and "--peer adds a graph to the serving case" in refused.output
+
+
+def test_int8_rounding_that_strays_far_is_written_with_a_note_and_a_wrong_graph_is_refused():
+    from comera_convert.hf.export import _int8_notes
+    from comera_convert.hf.onnx_export import OnnxExport, relative_error
+
+    expected = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(0))
+    assert relative_error(expected * 1.01, expected, "the int8 graph") == pytest.approx(0.01, rel=1e-4)
+    with pytest.raises(ConfigError, match="the int8 graph strays from PyTorch: relative error"):
+        relative_error(-expected, expected, "the int8 graph")  # another function: twice the states' norm
+    far = OnnxExport(out=Path('.'), output_name="last_hidden_state", opset=18, max_difference=0.0,
+                     int8_difference=0.57)
+    assert _int8_notes(far) == ["int8 rounding moved the hidden states by 57% of their norm on the sample: measure "
+                                "the retrieval it keeps before serving it (comera bench serving --checkpoint)"]
+    assert _int8_notes(OnnxExport(out=Path('.'), output_name="x", opset=18, max_difference=0.0,
+                                  int8_difference=0.05)) == []

@@ -19,8 +19,8 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..progress import Progress, no_progress
-from .onnx_export import (DEFAULT_OPSET, DTYPES, MIN_OPSET, ONNX_FOLDER, QUANTIZE, OnnxExport, eager_attention,
-                          write_graphs)
+from .onnx_export import (DEFAULT_OPSET, DTYPES, INT8_NOTE, MIN_OPSET, ONNX_FOLDER, QUANTIZE, OnnxExport,
+                          eager_attention, write_graphs)
 from .openvino_export import OPENVINO_FOLDER
 
 FORMATS = {"onnx": ONNX_FOLDER, "openvino": OPENVINO_FOLDER}  # each runtime's graphs, and the folder they go in
@@ -80,7 +80,7 @@ def export_model(model_name: str, out=None, *, opset: int = DEFAULT_OPSET, dtype
             _copy_sentence_modules(path, tmp)
     result.out = folder
     result.graphs = [folder / FORMATS[fmt] / file.name for file in result.graphs]
-    result.notes = _layout_notes(model) + _sentence_notes(path)
+    result.notes = _layout_notes(model) + _sentence_notes(path) + _int8_notes(result)
     return result
 
 
@@ -153,6 +153,13 @@ def _copy_sentence_modules(source: Path, directory: Path) -> None:
         folder = module.get("path") or ""
         if folder and (source / folder).is_dir():
             shutil.copytree(source / folder, directory / folder)
+
+
+def _int8_notes(result: OnnxExport) -> list[str]:
+    if result.int8_difference is None or result.int8_difference <= INT8_NOTE:
+        return []
+    return [f"int8 rounding moved the hidden states by {result.int8_difference:.0%} of their norm on the sample: "
+            "measure the retrieval it keeps before serving it (comera bench serving --checkpoint)"]
 
 
 def _sentence_notes(source: Path) -> list[str]:

@@ -34,9 +34,13 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16}
 QUANTIZE = ("int8",)
 # Largest |ONNX - PyTorch| accepted, relative to the largest |PyTorch| output, by dtype.
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2}
-# Largest ||ONNX - PyTorch|| / ||PyTorch|| of the int8 graph's hidden states: int8 rounding moves
-# MiniLM's by a few percent; a wrong graph moves them by the order of the states themselves.
-INT8_TOLERANCE = 0.2
+# ||int8 graph - PyTorch|| / ||PyTorch|| of the hidden states. Beyond INT8_TOLERANCE the graph computes
+# something else (an unrelated output of the same size strays by about the states' own norm): refused.
+# Beyond INT8_NOTE rounding itself moved the states far, as dynamic int8 does to an encoder with outlier
+# channels (sentence-transformers' own int8 export of all-mpnet-base-v2 among them, docs/findings.md):
+# written, with a note to measure the retrieval before serving it.
+INT8_TOLERANCE = 1.0
+INT8_NOTE = 0.3
 ONE_FILE_BYTES = 2 ** 31 - 2 ** 26  # protobuf's 2 GB limit on one file, less room for the graph itself
 INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")  # the graph's inputs, where the tokenizer gives them
 SAMPLE_TEXTS = ["Tensor trains keep large models small.", "A second, longer sample sentence to pad the batch with."]
@@ -218,11 +222,11 @@ def _check_int8(file: Path, sample: dict, expected: torch.Tensor) -> float:
     return relative_error(_run_graph(onnxruntime, file, sample), expected, "the int8 graph")
 
 
-def relative_error(got: torch.Tensor, expected: torch.Tensor, what: str, tolerance: float = INT8_TOLERANCE) -> float:
+def relative_error(got: torch.Tensor, expected: torch.Tensor, what: str) -> float:
     """An int8 graph's relative error against PyTorch on the sample; a graph that computes something else
-    (error above ``tolerance``) is an error."""
+    (error above ``INT8_TOLERANCE``) is an error."""
     error = float((got.float() - expected.float()).norm() / expected.float().norm())
-    if not error <= tolerance:
+    if not error <= INT8_TOLERANCE:
         raise ConfigError(f"{what} strays from PyTorch: relative error {error:.3g} against at most "
-                          f"{tolerance}; nothing was written")
+                          f"{INT8_TOLERANCE}; nothing was written")
     return error
