@@ -200,6 +200,10 @@ def test_bad_input_is_one_line_and_non_zero(dense_dir, tmp_path):
     not_a_model.mkdir()
     a_file = tmp_path / "file.txt"
     a_file.write_text("x")
+    scales = tmp_path / "scales.json"
+    scales.write_text(json.dumps({"bert.encoder.layer.0.attention.self.query": 0.5}))
+    uniform_report = tmp_path / "comera_report.json"
+    uniform_report.write_text(json.dumps({"modules": [], "extra": {"allocation": "uniform"}}))
     cases = [
         (["convert", tmp_path / "no-such-model", "--out", tmp_path / "o1"], ["no-such-model"]),
         (["convert", not_a_model, "--out", tmp_path / "o2"], ["not a model", "config.json"]),
@@ -231,9 +235,31 @@ def test_bad_input_is_one_line_and_non_zero(dense_dir, tmp_path):
          ["codebook_width as a positive integer", "got 0"]),
         (["convert", dense_dir, "--calibration", "englsh", "--out", tmp_path / "o13"],
          ["not a built-in corpus", "did you mean 'english'"]),
+        (["convert", dense_dir, "--calibration", "english", "--calibration-seq-len", "0", "--out", tmp_path / "o17"],
+         ["calibration_seq_len as a positive integer"]),
+        (["convert", dense_dir, "--embedding-rank-scale", "0", "--out", tmp_path / "o18"],
+         ["embedding_rank_scale as a number in (0, 16]"]),
+        (["convert", dense_dir, "--rank-scales", scales, "--out", tmp_path / "o19"],
+         ["rank_scales are the learned allocation's per-layer ranks"]),
+        (["convert", dense_dir, "--rank-scales", uniform_report, "--out", tmp_path / "o20"],
+         ["records no learned rank scales (the conversion used the uniform allocation)"]),
+        (["convert", dense_dir, "--rank-scales", a_file, "--out", tmp_path / "o21"], ["expected a JSON file"]),
     ]
     for args, fragments in cases:
         _one_line_error(run(*args), *fragments)
+
+
+def test_every_conversion_option_is_a_flag_of_comera_convert():
+    from dataclasses import fields
+
+    from comera_convert.conversion import ConvertOptions
+
+    flags = {param.name for param in main.commands["convert"].params}
+    named_otherwise = {"gates": "no_gates"}  # the flag turns the default off
+    not_a_choice = {"version"}  # the checkpoint format's version
+    missing = [f.name for f in fields(ConvertOptions)
+               if f.name not in not_a_choice and named_otherwise.get(f.name, f.name) not in flags]
+    assert missing == []
 
 
 def test_ratio_that_is_not_a_number_is_a_usage_error(dense_dir):

@@ -26,6 +26,20 @@ def _patterns(value: str | None):
     return [p.strip() for p in value.split(",") if p.strip()] if value else None
 
 
+def _rank_scales(file: str) -> dict:
+    """The per-layer rank scales in ``file``: a JSON object of them, or a report recording learned ones."""
+    try:
+        data = json.loads(Path(file).read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"--rank-scales {file}: expected a JSON file ({err})") from None
+    if isinstance(data, dict) and isinstance(data.get("extra"), dict) and "modules" in data:  # a report
+        if "rank_scales" not in data["extra"]:
+            raise ConfigError(f"--rank-scales {file}: this report records no learned rank scales (the conversion "
+                              f"used the {data['extra'].get('allocation', 'uniform')} allocation)")
+        data = data["extra"]["rank_scales"]
+    return data
+
+
 def _default_out(model: str, ratio, rank) -> str:
     stem = Path(model.rstrip("/")).name or "model"
     return f"{stem}-tt{ratio:g}" if rank is None else f"{stem}-rank{rank}"
@@ -55,6 +69,8 @@ def _default_out(model: str, ratio, rank) -> str:
               help="Data-aware init: minimize each layer's error on this text's activations "
                    "(english, python-stdlib, english+python-stdlib, a file, folder, JSONL or dataset) "
                    "[default: english+python-stdlib].")
+@click.option("--calibration-seq-len", type=int, default=None, metavar="N",
+              help="Tokens per calibration sequence [default: 128].")
 @click.option("--no-calibration", is_flag=True, default=False,
               help="Plain TT-SVD of the weights, no calibration text (keeps far less of the model).")
 @click.option("--calibration-sequences", type=int, default=None,
@@ -83,6 +99,13 @@ def _default_out(model: str, ratio, rank) -> str:
 @click.option("--learning-steps", type=int, default=None, metavar="N",
               help="Adam steps of --allocation learned [default: by the model's size: MiniLM 100, "
                    "a bert-base 40].")
+@click.option("--rank-scales", type=click.Path(exists=True, dir_okay=False), default=None, metavar="FILE",
+              help="--allocation learned: the per-layer rank scales to use instead of learning them, a JSON "
+                   "object of layer name -> multiple of the shared rank, or a checkpoint's comera_report.json "
+                   "(its learned scales).")
+@click.option("--embedding-rank-scale", type=float, default=None, metavar="X",
+              help="The word embedding's ranks are X times the shared rank (the uniform allocation) "
+                   "[default: 1.5].")
 @click.option("--last-block-rank-scale", type=float, default=None, metavar="X",
               help="The last repeated block's layers get X times the shared rank (the uniform allocation; "
                    "a fixed --rank and the experimental allocations do not read it); 1: one shared rank "
@@ -113,9 +136,10 @@ def _default_out(model: str, ratio, rank) -> str:
               help="Split the weights into files of at most SIZE (e.g. 2GB), with an index [default: 50GB].")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of tables.")
 def convert(model, ratio, rank, layout, embedding_layout, word_embedding, codebook_width, d, targets, exclude,
-            no_gates, calibration, no_calibration, calibration_sequences, compensate, reconstruct_steps,
-            reconstruct_lr, allocation, ffn, learning_steps, last_block_rank_scale, keep_last_attention_output,
-            rank_multiple, dtype, group_size, device, recipe, task, out, overwrite, max_shard_size, as_json):
+            no_gates, calibration, calibration_seq_len, no_calibration, calibration_sequences, compensate,
+            reconstruct_steps, reconstruct_lr, allocation, ffn, learning_steps, rank_scales, embedding_rank_scale,
+            last_block_rank_scale, keep_last_attention_output, rank_multiple, dtype, group_size, device, recipe,
+            task, out, overwrite, max_shard_size, as_json):
     """Convert MODEL (directory, hub id or alias such as minilm, bert-base) to a TT checkpoint."""
     from ..recipes import convert_options
     from ..api import convert_checkpoint
@@ -124,8 +148,10 @@ def convert(model, ratio, rank, layout, embedding_layout, word_embedding, codebo
                  "word_embedding": word_embedding, "codebook_width": codebook_width, "d": d,
                  "targets": _patterns(targets), "exclude": _patterns(exclude),
                  "gates": False if no_gates else None, "calibration": calibration,
-                 "calibration_sequences": calibration_sequences, "allocation": allocation, "ffn": ffn,
-                 "learning_steps": learning_steps,
+                 "calibration_sequences": calibration_sequences, "calibration_seq_len": calibration_seq_len,
+                 "allocation": allocation, "ffn": ffn, "learning_steps": learning_steps,
+                 "rank_scales": _rank_scales(rank_scales) if rank_scales else None,
+                 "embedding_rank_scale": embedding_rank_scale,
                  "compensate": compensate, "reconstruct_steps": reconstruct_steps, "reconstruct_lr": reconstruct_lr,
                  "last_block_rank_scale": last_block_rank_scale,
                  "keep_last_attention_output": keep_last_attention_output, "rank_multiple": rank_multiple,
