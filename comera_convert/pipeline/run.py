@@ -16,16 +16,16 @@ from pathlib import Path
 
 from torch import nn
 
-from ..conversion import Calibration, ConversionReport, ConvertOptions, calibrate, convert_modules
-from ..conversion.model_facts import count_params
+from ..conversion import Calibration, ConversionReport, ConvertOptions, convert_modules
 from ..conversion.report import lineage
-from ..conversion.storage import cast_for_storage, integer_storage, round_in_place, storage_record
+from ..conversion.storage import integer_storage, round_in_place, storage_record
 from ..hf.compat import untie_converted_heads
 from ..hf.config import ComeraConfig
 from ..hf.saving import check_disk_space, check_output_dir, save_compressed, shard_kwargs, weight_bytes
 from ..hf.sentence_config import check_modules, sentence_task
 from ..models import load_model, read_config, resolve
 from ..progress import Progress, no_progress
+from .sources import open_source, streams
 
 
 def convert_model(model: nn.Module, options: ConvertOptions, *, calibration: Calibration | None = None,
@@ -74,9 +74,9 @@ def convert_checkpoint(model_name: str, out, options: ConvertOptions, *, task=No
                        progress: Progress | None = None, default_calibration: str | None = None,
                        command: str | None = None, max_shard_size: int | str | None = None) -> ConversionResult:
     """The streamed conversion, its stages in order: open the source (on the meta device where it
-    streams), plan the calibration, then block by block calibrate, compensate, factorize,
-    reconstruct, round and spool, then assemble the checkpoint in ``out`` from the spool. Where the
-    source cannot stream it is loaded whole and converted in memory (the notes say why).
+    streams: ``sources.py``), calibrate, then block by block compensate, factorize, reconstruct, round
+    and spool, then assemble the checkpoint in ``out`` from the spool. Where the source cannot stream
+    it is loaded whole and converted in memory (the notes say why).
 
     ``default_calibration``: the data to calibrate on when ``options`` names none (`comera convert`
     passes ``english``); a model without a tokenizer then converts by plain TT-SVD, as the
@@ -89,129 +89,96 @@ def convert_checkpoint(model_name: str, out, options: ConvertOptions, *, task=No
     progress = progress or no_progress
     sharding = shard_kwargs(max_shard_size)
     out = check_output_dir(out, overwrite)  # fail before the slow part
-    path = resolve(model_name)
-    read_config(path)  # a hub id neither cached nor reachable fails here, before the tokenizer's retries
-    check_modules(path)  # a sentence-transformers config that could never load
-    notes, tokenizer = [], None
-    if task is None:
-        task = sentence_task(path)  # a sentence-transformers folder converts as its encoder
-        heads = [a for a in read_config(path).get("architectures") or () if "For" in a] if task else []
-        if heads:
-            notes.append(f"{model_name} is a sentence-transformers model: converted as its encoder (AutoModel), "
-                         f"as sentence-transformers loads it, without the {heads[0]} head its config records "
-                         f"(--task keeps a head)")
-    start = time.perf_counter()
-    if options.calibration is None and default_calibration is not None:
-        tokenizer = _tokenizer_or_none(path)
-        if tokenizer is not None:
-            options = options.replace(calibration=default_calibration)
-        else:
-            notes.append(f"{model_name} has no tokenizer files, so it was converted without calibration "
-                         f"(plain TT-SVD); copy its tokenizer in for a data-aware conversion")
+    path, task, notes = _checked_source(model_name, task)
+    clock = Stopwatch()
+    options, tokenizer = _with_default_calibration(model_name, path, options, default_calibration, notes)
     progress(f"loading {model_name}")
     _check_room(out, path, options)
-    learning, allocating = None, 0.0
+    learning = None
     if options.allocation == "learned" and options.rank_scales is None:
         options, learning = _learn_allocation(model_name, path, options, task, tokenizer, progress)
-        allocating = time.perf_counter() - start  # the dense model loaded whole, the text read, the ranks learned
-    model, path, streamed, sequential, options = _open_source(model_name, path, options, task, tokenizer, notes,
-                                                              progress)
-    loaded = time.perf_counter()
-    start += allocating  # its own stage
-    if sequential is not None:
-        calibration = sequential.stats  # filled block by block as the conversion reaches each block
-    elif options.calibration:
-        progress(f"calibrating on {options.calibration}")
-        calibration = _calibration(model, path, options, tokenizer)
-    else:
-        calibration = None
-    calibrated = time.perf_counter()
+        clock.lap("allocate")  # the dense model loaded whole, the text read, the ranks learned
+    source, options = open_source(model_name, path, options, task, tokenizer, notes, progress)
+    clock.lap("load")
+    calibration = source.calibration(options, tokenizer, progress)
+    clock.lap("calibrate")
     try:
-        if streamed is not None:
-            streamed.open_spool(out, options.dtype, integer_storage(options.dtype, options.group_size))
-        load, release = None, None
-        if sequential is not None:
-            load, release = sequential.prepare, sequential.release
-        elif streamed is not None:
-            load, release = streamed.loader(model), streamed.releaser(model)
-        report = convert_model(model, options, calibration=calibration, source=model_name,
-                         progress=lambda name, index, total: progress(f"converting {name}", index, total),
-                         load=load, release=release)
-        if sequential is not None:
-            sequential.finish()
-            if sequential.fits:
-                report.extra["reconstruction"] = [fit.to_dict() for fit in sequential.fits]
-        elif options.reconstruct_steps and options.calibration:
-            notes.append("block reconstruction runs in a calibrated conversion streamed block by block (a local "
-                         "safetensors checkpoint with a tokenizer and a stack of blocks): it was skipped")
-        if streamed is not None:
-            streamed.finish(model)
-            report.extra["streamed"] = True
-        elif options.dtype is not None:
-            cast_for_storage(model, options.dtype)
-        stored = storage_name(options) or str(next(model.parameters()).dtype).removeprefix("torch.")
-        report.extra["storage_dtype"] = stored
-        report.extra["source_bytes"] = weight_bytes(path)
-        if learning is not None:
-            report.extra.update(learning.to_dict())
-        report.extra.update(lineage(None, command))
-        converted = time.perf_counter()
+        report = _convert(source, out, options, calibration, model_name, notes, progress)
+        _record(report, source, options, learning, command)
+        clock.lap("convert")
         progress(f"saving {out}")
-        write_weights = streamed.writer(model, sharding.get("max_shard_size")) if streamed is not None else None
-        save_compressed(model, out, report=report, source=path, overwrite=overwrite, replace_dir=True,
-                        write_weights=write_weights, **sharding)
+        save_compressed(source.model, out, report=report, source=source.path, overwrite=overwrite, replace_dir=True,
+                        write_weights=source.writer(sharding.get("max_shard_size")), **sharding)
+        clock.lap("save")
     finally:
-        if streamed is not None:
-            streamed.close()
-    saved = time.perf_counter()
-    timings = {"load": loaded - start, "convert": converted - calibrated, "save": saved - converted}
+        source.close()
+    report.extra["timings"] = timings = source.settle(clock.seconds, calibrated=calibration is not None)
+    return ConversionResult(out=out, report=report, timings=timings, disk_bytes=weight_bytes(out), notes=notes)
+
+
+class Stopwatch:
+    """Seconds per stage: each ``lap(name)`` adds the time since the last lap to that stage."""
+
+    def __init__(self):
+        self.mark, self.seconds = time.perf_counter(), {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self.mark
+        self.mark = now
+
+
+def _checked_source(model_name: str, task) -> tuple[str, str | None, list[str]]:
+    """(path, task, notes): the source found and its config read, before anything slow; a sentence-transformers
+    folder converts as its encoder, as sentence-transformers loads it."""
+    path = resolve(model_name)
+    config = read_config(path)  # a hub id neither cached nor reachable fails here, before the tokenizer's retries
+    check_modules(path)  # a sentence-transformers config that could never load
+    if task is not None:
+        return path, task, []
+    task = sentence_task(path)
+    heads = [a for a in config.get("architectures") or () if "For" in a] if task else []
+    if not heads:
+        return path, task, []
+    return path, task, [f"{model_name} is a sentence-transformers model: converted as its encoder (AutoModel), as "
+                        f"sentence-transformers loads it, without the {heads[0]} head its config records (--task "
+                        f"keeps a head)"]
+
+
+def _with_default_calibration(model_name: str, path: str, options: ConvertOptions, default: str | None,
+                              notes: list[str]):
+    """(options, tokenizer or None): ``default`` as the calibration data where the options name none and the
+    model has a tokenizer; without one, a note that it converts by plain TT-SVD."""
+    if options.calibration is not None or default is None:
+        return options, None
+    tokenizer = _tokenizer_or_none(path)
+    if tokenizer is None:
+        notes.append(f"{model_name} has no tokenizer files, so it was converted without calibration "
+                     f"(plain TT-SVD); copy its tokenizer in for a data-aware conversion")
+        return options, None
+    return options.replace(calibration=default), tokenizer
+
+
+def _convert(source, out, options: ConvertOptions, calibration, model_name: str, notes: list[str],
+             progress) -> ConversionReport:
+    """The modules converted as the source hands them over, and the model left as its checkpoint stores it."""
+    source.begin(out, options)
+    load, release = source.hooks()
+    report = convert_model(source.model, options, calibration=calibration, source=model_name,
+                           progress=lambda name, index, total: progress(f"converting {name}", index, total),
+                           load=load, release=release)
+    source.finish(report, options, notes)
+    return report
+
+
+def _record(report: ConversionReport, source, options: ConvertOptions, learning, command: str | None) -> None:
+    """What the report keeps of how the checkpoint was made."""
+    dtype = str(next(source.model.parameters()).dtype).removeprefix("torch.")
+    report.extra["storage_dtype"] = storage_name(options) or dtype
+    report.extra["source_bytes"] = weight_bytes(source.path)
     if learning is not None:
-        timings["allocate"] = allocating
-    if sequential is not None:  # block by block: the text was read while loading, the passes ran in the conversion
-        timings["calibrate"] = sequential.reading_seconds + sequential.seconds
-        timings["load"] -= sequential.reading_seconds
-        timings["convert"] -= sequential.seconds
-    elif calibration is not None:
-        timings["calibrate"] = calibrated - loaded
-    report.extra["timings"] = timings
-    return ConversionResult(out=out, report=report, timings=timings, disk_bytes=weight_bytes(out),
-                            notes=notes)
-
-
-def _open_source(model_name: str, path: str, options: ConvertOptions, task, tokenizer, notes: list[str], progress):
-    """(model, path, streamed, sequential, options): the model on the meta device with its streaming
-    reader (and, calibrating, its block-by-block calibration) where it can stream; else loaded
-    whole, with a note saying why and how much memory that takes. The options come back with their
-    defaults chosen for the model's shape (``ConvertOptions.for_model``)."""
-    streamed = _stream_source(path, options)
-    if streamed is not None:
-        model = streamed.skeleton(task)
-        options = options.for_model(model)
-        unstored = streamed.missing(model)
-        if unstored:
-            notes.append(f"{model_name} stores {unstored[0]} (and {len(unstored) - 1} more) under other names, "
-                         f"which transformers converts on load: it was loaded whole instead of streamed"
-                         f"{_whole_load_memory(path)}")
-        elif not options.calibration:
-            return model, path, streamed, None, options
-        else:
-            progress(f"calibrating on {options.calibration}, block by block")
-            sequential = _sequential_calibration(model, streamed, path, options, tokenizer)
-            if sequential is not None:
-                return model, path, streamed, sequential, options
-            notes.append(f"{model_name} has no stack of repeated blocks to calibrate one at a time: it was loaded "
-                         f"whole{_whole_load_memory(path)}")
-    model, path = load_model(model_name, task=task)
-    return model, path, None, None, options.for_model(model)
-
-
-def _streams(path: str, options: ConvertOptions) -> bool:
-    """Whether this conversion streams: one of a local safetensors checkpoint whose allocation needs no
-    model in memory (uniform, or learned with its scales known)."""
-    from .streaming import streamable
-
-    known = options.allocation == "uniform" or (options.allocation == "learned" and options.rank_scales is not None)
-    return known and streamable(path)
+        report.extra.update(learning.to_dict())
+    report.extra.update(lineage(None, command))
 
 
 def _learn_allocation(model_name: str, path: str, options: ConvertOptions, task, tokenizer, progress):
@@ -240,23 +207,6 @@ def _learn_allocation(model_name: str, path: str, options: ConvertOptions, task,
     return options.replace(rank_scales=learning.scales), learning
 
 
-def _stream_source(path: str, options: ConvertOptions):
-    """The streaming reader of the checkpoint where the conversion streams; None otherwise."""
-    from .streaming import Streamed
-
-    return Streamed(path) if _streams(path, options) else None
-
-
-# A conversion of a model loaded whole peaks at about twice its checkpoint's bytes (measured on a
-# 1.1 B bfloat16 model: 4.45 GB for 2.2 GB). BENCHMARKS.md#conversion-time-and-memory
-WHOLE_LOAD_MEMORY = 2.0
-
-
-def _whole_load_memory(path: str) -> str:
-    source = weight_bytes(path)
-    return f" (about {WHOLE_LOAD_MEMORY * source / 1e9:.1f} GB of memory)" if source else ""
-
-
 def _check_room(out: Path, path: str, options: ConvertOptions) -> None:
     """Refuse a conversion whose output the disk cannot hold, before the slow part: the source's
     weight bytes over the ratio (all of them for a fixed rank), twice over when streaming (the
@@ -264,39 +214,12 @@ def _check_room(out: Path, path: str, options: ConvertOptions) -> None:
     source = weight_bytes(path)
     if not source:
         return  # not a local folder: its size is not known before loading
-    spooled = _streams(path, options)
+    spooled = streams(path, options)
     estimate = source / options.ratio if options.ratio else source
     copies = 2 if spooled else 1
     what = (f"{source / 1e9:.2f} GB of weights" + (f" / ratio {options.ratio:g}" if options.ratio else "")
             + (", written twice: spooled as converted, then assembled" if spooled else ""))
     check_disk_space(out, int(estimate * copies), what)
-
-
-def _sequential_calibration(model, streamed, path, options: ConvertOptions, tokenizer=None):
-    """A calibration run block by block as a streamed conversion reaches each block, or None where
-    the model has no stack of blocks."""
-    from ..conversion.calibration import plan_calibration
-    from ..conversion.targets import find_blocks, find_candidates
-    from .compensating import CompensatingCalibration
-    from .sequential import SequentialCalibration
-    from ..models import load_tokenizer
-
-    blocks = find_blocks(model)
-    if blocks is None:
-        return None
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path, "--calibration")
-    candidates = find_candidates(model, options.targets, options.exclude, options.d)[0]
-    began = time.perf_counter()
-    plan = plan_calibration(model, candidates, tokenizer, options.calibration,
-                            options.sequences_for(count_params(model)), options.calibration_seq_len)
-    common = dict(reading_seconds=time.perf_counter() - began)
-    if options.compensate or options.reconstruct_steps:  # reconstruction needs the compressed stream too
-        steps = options.reconstruct_steps_for(sum(p.numel() for p in model.get_submodule(blocks)[0].parameters()))
-        reconstruct = (steps, options.reconstruct_lr) if steps else None
-        return CompensatingCalibration(model, streamed, plan, candidates, blocks, options.calibration,
-                                       fit_to_compressed=options.compensate, reconstruct=reconstruct,
-                                       grid=integer_storage(options.dtype, options.group_size), **common)
-    return SequentialCalibration(model, streamed, plan, candidates, blocks, options.calibration, **common)
 
 
 def _tokenizer_or_none(path: str):
@@ -308,12 +231,3 @@ def _tokenizer_or_none(path: str):
         return load_tokenizer(path, "calibration")
     except ModelLoadError:
         return None
-
-
-def _calibration(model, path, options: ConvertOptions, tokenizer=None):
-    """Calibration statistics on ``options.calibration``, with ``tokenizer`` when it was loaded already."""
-    from ..models import load_tokenizer
-
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path, "--calibration")
-    return calibrate(model, tokenizer, options.calibration, options.sequences_for(count_params(model)),
-                     options.calibration_seq_len, options.targets, options.exclude, options.d)

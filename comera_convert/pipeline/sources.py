@@ -1,0 +1,194 @@
+"""Where a conversion's weights come from: three kinds of source behind one interface, so that the
+coordinator (``run.py``) runs the same steps whichever it has.
+
+- ``WholeSource``: the model loaded whole, calibrated in memory where asked, cast for storage at the end;
+- ``StreamedSource``: the model on the meta device, each layer's weight read just before it is decomposed
+  and its TT module spooled to disk (``streaming.py``, ``spool.py``);
+- ``SequentialSource``: streamed, and calibrated block by block as the conversion reaches each block,
+  compensating and reconstructing where the options ask (``sequential.py``, ``compensating.py``).
+
+``open_source`` picks the kind: streamed where the checkpoint can stream (a local safetensors folder whose
+allocation needs no model in memory), sequential where it also calibrates and has a stack of blocks, and
+whole otherwise, with a note saying why and how much memory that takes.
+"""
+
+from __future__ import annotations
+
+import time
+
+from torch import nn
+
+from ..conversion import Calibration, ConvertOptions, calibrate
+from ..conversion.model_facts import count_params
+from ..conversion.storage import cast_for_storage, integer_storage
+from ..hf.saving import weight_bytes
+from ..models import load_model, load_tokenizer
+
+# A conversion of a model loaded whole peaks at about twice its checkpoint's bytes
+# (BENCHMARKS.md#conversion-time-and-memory).
+WHOLE_LOAD_MEMORY = 2.0
+
+
+class WholeSource:
+    """The model loaded whole and converted in memory."""
+
+    def __init__(self, model: nn.Module, path: str):
+        self.model, self.path = model, path
+
+    def calibration(self, options: ConvertOptions, tokenizer, progress) -> Calibration | None:
+        """The statistics the conversion weights its decompositions by, None for a plain one."""
+        if not options.calibration:
+            return None
+        progress(f"calibrating on {options.calibration}")
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.path, "--calibration")
+        return calibrate(self.model, tokenizer, options.calibration, options.sequences_for(count_params(self.model)),
+                         options.calibration_seq_len, options.targets, options.exclude, options.d)
+
+    def begin(self, out, options: ConvertOptions) -> None:
+        """Before the first module is converted."""
+
+    def hooks(self):
+        """(load, release): what the conversion calls before decomposing a module and once its TT module is in
+        place; None where the weights are in memory already."""
+        return None, None
+
+    def finish(self, report, options: ConvertOptions, notes: list[str]) -> None:
+        """After the last module: the model as its checkpoint stores it."""
+        if options.reconstruct_steps and options.calibration:
+            notes.append("block reconstruction runs in a calibrated conversion streamed block by block (a local "
+                         "safetensors checkpoint with a tokenizer and a stack of blocks): it was skipped")
+        if options.dtype is not None:
+            cast_for_storage(self.model, options.dtype)
+
+    def writer(self, max_shard_size):
+        """How the weights are written: None for ``save_pretrained``'s own way."""
+        return None
+
+    def close(self) -> None:
+        """Release what the source holds open, whether the conversion finished or not."""
+
+    def settle(self, seconds: dict[str, float], calibrated: bool) -> dict[str, float]:
+        """Each stage's seconds as the user reads them."""
+        if not calibrated:
+            seconds.pop("calibrate", None)
+        return seconds
+
+
+class StreamedSource(WholeSource):
+    """The model on the meta device: each layer read just before it is decomposed, its TT module spooled."""
+
+    def __init__(self, model: nn.Module, path: str, streamed):
+        super().__init__(model, path)
+        self.streamed = streamed
+
+    def begin(self, out, options: ConvertOptions) -> None:
+        self.streamed.open_spool(out, options.dtype, integer_storage(options.dtype, options.group_size))
+
+    def hooks(self):
+        return self.streamed.loader(self.model), self.streamed.releaser(self.model)
+
+    def finish(self, report, options: ConvertOptions, notes: list[str]) -> None:
+        self.streamed.finish(self.model)
+        report.extra["streamed"] = True
+
+    def writer(self, max_shard_size):
+        return self.streamed.writer(self.model, max_shard_size)
+
+    def close(self) -> None:
+        self.streamed.close()
+
+
+class SequentialSource(StreamedSource):
+    """Streamed, and calibrated block by block as the conversion reaches each block."""
+
+    def __init__(self, model: nn.Module, path: str, streamed, sequential):
+        super().__init__(model, path, streamed)
+        self.sequential = sequential
+
+    def calibration(self, options: ConvertOptions, tokenizer, progress) -> Calibration:
+        return self.sequential.stats  # filled block by block as the conversion reaches each block
+
+    def hooks(self):
+        return self.sequential.prepare, self.sequential.release
+
+    def finish(self, report, options: ConvertOptions, notes: list[str]) -> None:
+        self.sequential.finish()
+        if self.sequential.fits:
+            report.extra["reconstruction"] = [fit.to_dict() for fit in self.sequential.fits]
+        super().finish(report, options, notes)
+
+    def settle(self, seconds: dict[str, float], calibrated: bool) -> dict[str, float]:
+        """The text was read while loading and the calibration passes ran inside the conversion: their
+        seconds move to calibrating."""
+        seconds["calibrate"] = self.sequential.reading_seconds + self.sequential.seconds
+        seconds["load"] -= self.sequential.reading_seconds
+        seconds["convert"] -= self.sequential.seconds
+        return seconds
+
+
+def streams(path: str, options: ConvertOptions) -> bool:
+    """Whether this conversion streams: one of a local safetensors checkpoint whose allocation needs no
+    model in memory (uniform, or learned with its scales known)."""
+    from .streaming import streamable
+
+    known = options.allocation == "uniform" or (options.allocation == "learned" and options.rank_scales is not None)
+    return known and streamable(path)
+
+
+def open_source(model_name: str, path: str, options: ConvertOptions, task, tokenizer, notes: list[str],
+                progress) -> tuple[WholeSource, ConvertOptions]:
+    """(the source, the options with their defaults chosen for the model's shape: ``for_model``). Streamed
+    where it can stream, sequential where it also calibrates; else loaded whole, with a note saying why."""
+    from .streaming import Streamed
+
+    if streams(path, options):
+        streamed = Streamed(path)
+        model = streamed.skeleton(task)
+        options = options.for_model(model)
+        unstored = streamed.missing(model)
+        if unstored:
+            notes.append(f"{model_name} stores {unstored[0]} (and {len(unstored) - 1} more) under other names, "
+                         f"which transformers converts on load: it was loaded whole instead of streamed"
+                         f"{whole_load_memory(path)}")
+        elif not options.calibration:
+            return StreamedSource(model, path, streamed), options
+        else:
+            progress(f"calibrating on {options.calibration}, block by block")
+            sequential = _sequential_calibration(model, streamed, path, options, tokenizer)
+            if sequential is not None:
+                return SequentialSource(model, path, streamed, sequential), options
+            notes.append(f"{model_name} has no stack of repeated blocks to calibrate one at a time: it was loaded "
+                         f"whole{whole_load_memory(path)}")
+    model, path = load_model(model_name, task=task)
+    return WholeSource(model, path), options.for_model(model)
+
+
+def whole_load_memory(path: str) -> str:
+    source = weight_bytes(path)
+    return f" (about {WHOLE_LOAD_MEMORY * source / 1e9:.1f} GB of memory)" if source else ""
+
+
+def _sequential_calibration(model, streamed, path, options: ConvertOptions, tokenizer=None):
+    """A calibration run block by block as a streamed conversion reaches each block, or None where
+    the model has no stack of blocks."""
+    from ..conversion.calibration import plan_calibration
+    from ..conversion.targets import find_blocks, find_candidates
+    from .compensating import CompensatingCalibration
+    from .sequential import SequentialCalibration
+
+    blocks = find_blocks(model)
+    if blocks is None:
+        return None
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path, "--calibration")
+    candidates = find_candidates(model, options.targets, options.exclude, options.d)[0]
+    began = time.perf_counter()
+    plan = plan_calibration(model, candidates, tokenizer, options.calibration,
+                            options.sequences_for(count_params(model)), options.calibration_seq_len)
+    common = dict(reading_seconds=time.perf_counter() - began)
+    if options.compensate or options.reconstruct_steps:  # reconstruction needs the compressed stream too
+        steps = options.reconstruct_steps_for(sum(p.numel() for p in model.get_submodule(blocks)[0].parameters()))
+        reconstruct = (steps, options.reconstruct_lr) if steps else None
+        return CompensatingCalibration(model, streamed, plan, candidates, blocks, options.calibration,
+                                       fit_to_compressed=options.compensate, reconstruct=reconstruct,
+                                       grid=integer_storage(options.dtype, options.group_size), **common)
+    return SequentialCalibration(model, streamed, plan, candidates, blocks, options.calibration, **common)
