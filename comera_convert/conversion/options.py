@@ -203,6 +203,30 @@ class ConvertOptions:
     layers_cut: InitVar[float | None] = None
 
     def __post_init__(self, layers_cut: float | None = None):
+        self._check_budget()
+        for name in ("layout", "embedding_layout"):
+            if getattr(self, name) not in LAYOUTS:
+                raise ConfigError(expected(f"{name} in {LAYOUTS}", getattr(self, name)))
+        self._choose_shape(layers_cut)
+        self._check_allocation()
+        self._check_learned()
+        self._choose_fitting()
+        self._check_storage()
+        self._check_reconstruction()
+        self._check_scales()
+        self._check_calibration()
+        self._check_patterns()
+
+    @property
+    def _ttm(self) -> bool:
+        return "ttm" in (self.layout, self.embedding_layout)
+
+    @property
+    def _budget_ratio(self) -> float | None:
+        """The ratio, None for a fixed --rank."""
+        return self.ratio if self.rank is None else None
+
+    def _check_budget(self) -> None:
         if self.rank is None and self.ratio is None:
             raise ConfigError("give a compression ratio or a rank")
         if self.rank is None:
@@ -214,24 +238,25 @@ class ConvertOptions:
                 raise ConfigError(expected("a ratio greater than 1", self.ratio))
         elif isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ConfigError(expected("a rank as a positive integer", self.rank))
-        for name in ("layout", "embedding_layout"):
-            if getattr(self, name) not in LAYOUTS:
-                raise ConfigError(expected(f"{name} in {LAYOUTS}", getattr(self, name)))
-        ttm = "ttm" in (self.layout, self.embedding_layout)
+
+    def _choose_shape(self, layers_cut: float | None) -> None:
+        """The word table's kind, the cut and the modes where not given, and the modes checked."""
         if self.word_embedding is None:
             self.word_embedding = "codebook" if self.rank is None and self.allocation in SHARED_RANK else "tt"
-        codebook = self.word_embedding == "codebook"
         self._defaulted = frozenset(name for name in DEPENDENT_DEFAULTS if getattr(self, name) is None)
-        ratio = self.ratio if self.rank is None else None  # None: a fixed --rank
+        ratio = self._budget_ratio
         self.cut = None if ratio is None else layers_cut if layers_cut is not None else ratio
         if self.d is None:
-            self.d = default_modes(ratio, codebook=codebook, ttm=ttm)
+            self.d = default_modes(ratio, codebook=self.word_embedding == "codebook", ttm=self._ttm)
         if self.d not in (1, 2, 3, 4):
             raise ConfigError(expected("d (modes per side) in (1, 2, 3, 4)", self.d))
-        if self.d == 1 and ttm:
+        if self.d == 1 and self._ttm:
             raise ConfigError("--modes 1 is a plain low-rank factorization (truncated SVD: one core per "
                               "side), which needs the tt layout: a one-mode ttm is the dense matrix itself "
                               f"(got layout {self.layout}, embedding_layout {self.embedding_layout})")
+
+    def _check_allocation(self) -> None:
+        """The allocation against the budget, the counts it reads, and the word table it works with."""
         if self.allocation not in ALLOCATIONS:
             raise ConfigError(expected(f"allocation in {ALLOCATIONS}", self.allocation))
         if self.allocation != "uniform" and self.rank is not None:
@@ -243,21 +268,27 @@ class ConvertOptions:
                 continue  # chosen by the model's size (sequences_for)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(expected(f"{name} as a positive integer", value))
+        self._check_rank_multiple()
+        if self.word_embedding not in WORD_EMBEDDINGS:
+            raise ConfigError(expected(f"word_embedding in {WORD_EMBEDDINGS}", self.word_embedding))
+        if self.word_embedding == "codebook" and self.allocation not in SHARED_RANK:
+            raise ConfigError(f"a codebook word embedding works with the uniform and learned allocations, not "
+                              f"{self.allocation!r}: give --word-embedding tt for it")
+
+    def _check_rank_multiple(self) -> None:
         if self.rank_multiple != 1 and self.rank is not None:
             raise ConfigError(f"rank_multiple rounds the ranks a --ratio budget chooses; a fixed --rank "
                               f"{self.rank} is used as given")
         if self.rank_multiple != 1 and self.allocation == "sensitivity":
             raise ConfigError("rank_multiple applies to the uniform and measured allocations; the "
                               "sensitivity allocation climbs its own ladder of ranks")
-        if self.word_embedding not in WORD_EMBEDDINGS:
-            raise ConfigError(expected(f"word_embedding in {WORD_EMBEDDINGS}", self.word_embedding))
-        if self.word_embedding == "codebook" and self.allocation not in SHARED_RANK:
-            raise ConfigError(f"a codebook word embedding works with the uniform and learned allocations, not "
-                              f"{self.allocation!r}: give --word-embedding tt for it")
-        self._check_learned()
+
+    def _choose_fitting(self) -> None:
+        """Compensation, reconstruction and the feed-forward pairs' handling where not given, then checked."""
         width = self.codebook_width
         if isinstance(width, bool) or not isinstance(width, int) or width < 1:
             raise ConfigError(expected("codebook_width as a positive integer (columns per slice)", width))
+        ratio, codebook = self._budget_ratio, self.word_embedding == "codebook"
         compensating = default_compensation(ratio, self.cut, codebook=codebook)
         if self.compensate is None:
             self.compensate = compensating
@@ -270,13 +301,16 @@ class ConvertOptions:
             self.ffn = default_ffn(ratio, allocation=self.allocation, d=self.d, calibrated=self.calibration is not None)
         if self.ffn not in FFN_METHODS:
             raise ConfigError(expected(f"ffn in {FFN_METHODS}", self.ffn))
+
+    def _check_storage(self) -> None:
         if self.dtype is not None:
             check_storage(self.dtype, self.group_size)
         elif self.group_size is not None:
             raise ConfigError("--group-size applies to integer storage: give --dtype int8 or int4 with it")
         if self.device is not None:
             check_device(self.device)
-        self._check_reconstruction()
+
+    def _check_scales(self) -> None:
         if not isinstance(self.keep_last_attention_output, bool):
             raise ConfigError(expected("keep_last_attention_output as true or false",
                                        self.keep_last_attention_output))
@@ -284,14 +318,19 @@ class ConvertOptions:
             scale = getattr(self, name)
             if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 16:
                 raise ConfigError(expected(f"{name} as a number in (0, 16]", scale))
-        if self.calibration is not None and (not isinstance(self.calibration, str) or not self.calibration):
+
+    def _check_calibration(self) -> None:
+        if self.calibration is None:
+            return
+        if not isinstance(self.calibration, str) or not self.calibration:
             raise ConfigError(expected("calibration as a data source (a path, dataset name, english or "
                                        "python-stdlib)", self.calibration))
-        if self.calibration is not None:
-            from ..text import check_source, read_for
+        from ..text import check_source, read_for
 
-            with read_for(CALIBRATION_OPTION):  # a missing file refused here, not after the model has loaded
-                check_source(self.calibration)
+        with read_for(CALIBRATION_OPTION):  # a missing file refused here, not after the model has loaded
+            check_source(self.calibration)
+
+    def _check_patterns(self) -> None:
         for name in ("targets", "exclude"):
             value = getattr(self, name)
             if isinstance(value, str):

@@ -209,6 +209,19 @@ class TrainOptions:
     version: int = 1
 
     def __post_init__(self):
+        self._check_names()
+        self._check_numbers()
+        self._check_document_starts()
+        if self.dropout is not None:
+            _check_share("dropout", self.dropout)
+        if self.document_starts is not None:
+            _check_share("document_starts", self.document_starts)
+        self._check_switches()
+        self._check_budget()
+        self._check_stages()
+
+    def _check_names(self) -> None:
+        """Each option that names one of a few choices, and the choices that exclude each other."""
         if self.objective not in OBJECTIVES:
             raise ConfigError(expected(f"an objective in {OBJECTIVES}", self.objective))
         if self.distill_mode not in DISTILL_MODES:
@@ -220,6 +233,8 @@ class TrainOptions:
                               "teacher states through hooks, which the CUDA graphs cannot hold (drop one of the two)")
         if self.lr_scheduler_type is not None and self.lr_scheduler_type not in LR_SCHEDULERS:
             raise ConfigError(expected(f"an lr_scheduler_type in {LR_SCHEDULERS}", self.lr_scheduler_type))
+
+    def _check_numbers(self) -> None:
         for name in ("steps", "seq_len", "batch_size", "gradient_accumulation_steps", "logging_steps",
                      "save_steps", "max_nan_steps", "max_eval_blocks", "rank_multiple"):
             value = getattr(self, name)
@@ -238,6 +253,8 @@ class TrainOptions:
             if isinstance(self.minutes, bool) or not isinstance(self.minutes, (int, float)) \
                     or not math.isfinite(self.minutes) or self.minutes <= 0:
                 raise ConfigError(expected("minutes as a positive number", self.minutes))
+
+    def _check_document_starts(self) -> None:
         start = self.start_min_tokens
         if start is not None and (isinstance(start, bool) or not isinstance(start, int)
                                   or not 1 <= start <= self.seq_len):
@@ -251,10 +268,8 @@ class TrainOptions:
             flag = "--start-min-tokens" if start is not None else "--start-max-tokens"
             raise ConfigError(f"{flag} with --compile: document starts of many lengths make batches of many "
                               "lengths, and the compiled CUDA graphs need one shape (drop one of the two)")
-        if self.dropout is not None:
-            _check_share("dropout", self.dropout)
-        if self.document_starts is not None:
-            _check_share("document_starts", self.document_starts)
+
+    def _check_switches(self) -> None:
         for name in ("gradient_checkpointing", "fsdp", "cut_ranks", "reproject"):
             value = getattr(self, name)
             if not isinstance(value, bool) and not (name == "reproject" and value is None):
@@ -262,6 +277,9 @@ class TrainOptions:
         if self.reproject and (self.target_ratio is None or not self.cut_ranks):
             raise ConfigError("--reproject orders the directions a --target-ratio budget closes, at the rank "
                               "cuts: it needs --target-ratio and the cuts (drop --no-cut-ranks)")
+
+    def _check_budget(self) -> None:
+        """The options that shape --target-ratio's size budget, and when --reproject rewrites the pairs."""
         for name in ("budget_share", "last_block_floor"):
             if getattr(self, name) is not None:
                 _check_nonzero_share(name, getattr(self, name))
@@ -279,6 +297,9 @@ class TrainOptions:
         if self.reproject_at != "switch" and not self.reprojects:
             raise ConfigError(f"--reproject-at {self.reproject_at} says when --reproject rewrites the pairs: "
                               "add --reproject")
+
+    def _check_stages(self) -> None:
+        """The target and the two stages: a target ratio needs a late stage to compress in."""
         if not 0 < self.target_fraction <= 1:
             raise ConfigError(expected("target_fraction in (0, 1]", self.target_fraction))
         if self.target_ratio is not None and (not isinstance(self.target_ratio, (int, float))
