@@ -115,8 +115,8 @@ def serving_case(checkpoint: str, reference_name: str | None, pair_files, texts:
     compressed model in ONNX Runtime and, where it is installed, OpenVINO, float and int8, and each graph of
     ``peers`` (``onnx_serving.py``, ``openvino_serving.py``);
     texts are embedded ``batch`` at a time (1: one request at a time, as an online service embeds)."""
-    from ..evaluation import load_compared, pair_domain_name
-    from ..retrieval import held_out_pairs, kept, model_retrieval, read_pairs
+    from ..evaluation import load_compared
+    from ..retrieval import kept, model_retrieval
 
     progress = progress or (lambda message: None)
     if compile_models:
@@ -131,10 +131,7 @@ def serving_case(checkpoint: str, reference_name: str | None, pair_files, texts:
         models.update({name + COMPILED: compiled(model) for name, model in list(models.items())})
     if onnx:
         models.update(runtime_methods(compared, progress, peers))
-    domains = {}
-    for file in pair_files:
-        domains[pair_domain_name(file, domains)] = read_pairs(file, texts)
-    domains = domains or {"english": held_out_pairs("english", texts)}
+    domains = _pair_domains(pair_files, texts)
     documents = interleaved([[document for _, document in pairs] for pairs in domains.values()])[:texts]
     batches = length_sorted_batches(compared.tokenizer, documents, batch)
     progress(f"timing {len(documents)} texts, {repeats} rounds of {len(models)} models"
@@ -148,15 +145,28 @@ def serving_case(checkpoint: str, reference_name: str | None, pair_files, texts:
         quality[domain] = {name: kept(scores[eager_name(name)], scores[DENSE]) for name in models}
     tokens = sum(int(encoded["attention_mask"].sum()) for encoded in batches)
     shape = f"{compared.source}, {len(documents)} texts ({tokens / len(documents):.0f} tokens avg), batch {batch}"
-    return [{"case": "serving" if onnx else "inference", "method": name, "device": "cpu",
-             "dtype": "int8" if "int8" in name else "float32", "shape": shape,
-             **({"file_mb": megabytes} if (megabytes := graph_megabytes(models[name])) else {}),
-             "sentences_per_s": round(len(documents) / seconds[name], 1),
-             "speed_vs_dense": round(seconds[DENSE] / seconds[name], 2),
-             "recall_kept": {domain: round(shares[name]["recall_kept"], 3) for domain, shares in quality.items()},
-             "recall_kept_error": {domain: round(shares[name]["recall_kept_error"], 3)
-                                   for domain, shares in quality.items()}}
-            for name in models]
+    return [_row(name, models[name], "serving" if onnx else "inference", shape, len(documents) / seconds[name],
+                 seconds[DENSE] / seconds[name], quality) for name in models]
+
+
+def _pair_domains(pair_files, texts: int) -> dict:
+    """Query/document pairs by domain: each of ``pair_files``, else the english corpus's held-out pairs."""
+    from ..evaluation import pair_domain_name
+    from ..retrieval import held_out_pairs, read_pairs
+
+    domains = {}
+    for file in pair_files:
+        domains[pair_domain_name(file, domains)] = read_pairs(file, texts)
+    return domains or {"english": held_out_pairs("english", texts)}
+
+
+def _row(name: str, model, case: str, shape: str, per_second: float, speed: float, quality: dict) -> dict:
+    return {"case": case, "method": name, "device": "cpu", "dtype": "int8" if "int8" in name else "float32",
+            "shape": shape, **({"file_mb": megabytes} if (megabytes := graph_megabytes(model)) else {}),
+            "sentences_per_s": round(per_second, 1), "speed_vs_dense": round(speed, 2),
+            "recall_kept": {domain: round(shares[name]["recall_kept"], 3) for domain, shares in quality.items()},
+            "recall_kept_error": {domain: round(shares[name]["recall_kept_error"], 3)
+                                  for domain, shares in quality.items()}}
 
 
 def runtime_methods(compared, progress, peers) -> dict:

@@ -65,37 +65,13 @@ def bench(cases, quick, device, dtype, repeats, json_path, variants, model_name,
     from .render import fitted
 
     from .. import bench as benchmarks
-    from ..bench.models import chosen_variants
-    from ..bench.serving import BATCH
-    from ..errors import ConfigError
     from ..hf.files import write_text_atomic
 
     if device == "auto":  # a checkpoint's serving is measured on the CPU, where int8 kernels run
         device = "cuda" if torch.cuda.is_available() and not checkpoint else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device is available here")
     cases = cases or tuple(name for name in CASE_NAMES if name != "serving")
-    if "serving" in cases and not checkpoint:
-        raise ConfigError("the serving case measures a real checkpoint: give --checkpoint PATH")
-    if variants:
-        if "train-step" not in cases:
-            raise ConfigError(f"--variant chooses train-step variants, and the cases are {', '.join(cases)}")
-        chosen_variants(device, variants)  # an unknown name fails now, not after the other cases
-    if model_name != "bert-base" and "train-step" not in cases:
-        raise ConfigError(f"--model chooses the train-step model, and the cases are {', '.join(cases)}")
-    serving = None
-    if checkpoint:
-        if not set(CHECKPOINT_CASES) & set(cases):
-            raise ConfigError(f"--checkpoint measures the inference and serving cases, and the cases are "
-                              f"{', '.join(cases)}")
-        if device != "cpu":
-            raise ConfigError(f"--checkpoint measures CPU serving (int8 kernels run on the CPU), not --device {device}")
-        if peers and "serving" not in cases:
-            raise ConfigError("--peer adds a graph to the serving case, and the cases are " + ", ".join(cases))
-        serving = {"checkpoint": checkpoint, "reference_name": reference, "pair_files": pair_files, "texts": texts,
-                   "compile_models": compile_models, "peers": peers, "batch": batch or BATCH}
-    elif reference or pair_files or compile_models or peers or batch:
-        raise ConfigError("--reference, --pairs, --batch, --compile and --peer go with --checkpoint")
+    _check_cases(cases, device, variants, model_name, checkpoint)
+    serving = _serving_request(cases, device, checkpoint, reference, pair_files, texts, batch, peers, compile_models)
     repeats = repeats or (2 if quick else 5)
     out = console()
     with progress_display() as update:
@@ -123,6 +99,46 @@ def bench(cases, quick, device, dtype, repeats, json_path, variants, model_name,
     if json_path:
         write_text_atomic(Path(json_path), json.dumps(payload, indent=1))
         out.print(f"[green]wrote[/] {json_path}")
+
+
+def _check_cases(cases, device: str, variants, model_name: str, checkpoint) -> None:
+    """Refuse, before anything is measured, options that do not go with the cases asked for."""
+    import torch
+
+    from ..bench.models import chosen_variants
+    from ..errors import ConfigError
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is available here")
+    if "serving" in cases and not checkpoint:
+        raise ConfigError("the serving case measures a real checkpoint: give --checkpoint PATH")
+    if variants:
+        if "train-step" not in cases:
+            raise ConfigError(f"--variant chooses train-step variants, and the cases are {', '.join(cases)}")
+        chosen_variants(device, variants)  # an unknown name fails now, not after the other cases
+    if model_name != "bert-base" and "train-step" not in cases:
+        raise ConfigError(f"--model chooses the train-step model, and the cases are {', '.join(cases)}")
+
+
+def _serving_request(cases, device: str, checkpoint, reference, pair_files, texts, batch, peers,
+                     compile_models) -> dict | None:
+    """The checkpoint cases' keyword arguments (``bench.serving.serving_case``), None without --checkpoint."""
+    from ..bench.serving import BATCH
+    from ..errors import ConfigError
+
+    if not checkpoint:
+        if reference or pair_files or compile_models or peers or batch:
+            raise ConfigError("--reference, --pairs, --batch, --compile and --peer go with --checkpoint")
+        return None
+    if not set(CHECKPOINT_CASES) & set(cases):
+        raise ConfigError(f"--checkpoint measures the inference and serving cases, and the cases are "
+                          f"{', '.join(cases)}")
+    if device != "cpu":
+        raise ConfigError(f"--checkpoint measures CPU serving (int8 kernels run on the CPU), not --device {device}")
+    if peers and "serving" not in cases:
+        raise ConfigError("--peer adds a graph to the serving case, and the cases are " + ", ".join(cases))
+    return {"checkpoint": checkpoint, "reference_name": reference, "pair_files": pair_files, "texts": texts,
+            "compile_models": compile_models, "peers": peers, "batch": batch or BATCH}
 
 
 def _cell(value) -> str:
