@@ -282,23 +282,8 @@ def evaluate(compressed_name: str, reference_name: str | None = None, data=None,
     if pair_files and kind == "clm":
         raise ConfigError("--pairs scores retrieval by sentence embeddings, which causal LMs are not "
                           "evaluated by: their domains report perplexity")
-    # Each domain's held-out passages, read once: the first ``texts`` are compared as they are, and
-    # (encoders) all of them are split into retrieval pairs.
-    reach = texts * (PASSAGES_PER_PAIR if kind != "clm" else 1)
-    passages = {name: held_out_texts(name, reach) for name in sources}
-    batches = {name: domain_batch(tokenizer, name, passages[name][:texts], seq_len) for name in sources}
+    batches, tasks = _domains(sources, pair_files, compared, texts, seq_len, progress)
     pooling = compared.pooling
-    tasks = {}
-    if kind != "clm":
-        found = {name: pairs_from_texts(passages[name], texts) for name in sources}
-        for file in pair_files:
-            name = pair_domain_name(file, found)
-            found[name] = read_pairs(file, texts)
-            batches[name] = domain_batch(tokenizer, name, [document for _, document in found[name]], seq_len)
-        for index, (name, domain) in enumerate(found.items()):
-            progress(f"dense retrieval on {name}", index, len(found))
-            if len(domain) >= 2:  # one pair is no ranking: such a domain reports cosines alone
-                tasks[name] = Task(domain, reference, tokenizer, seq_len, pooling)
 
     def per_domain(model, label="") -> dict:
         measured = {}
@@ -315,6 +300,29 @@ def evaluate(compressed_name: str, reference_name: str | None = None, data=None,
     if baselines:
         metrics.update(_peers(compressed, reference, path, source, config, tasks, per_domain, progress))
     return metrics
+
+
+def _domains(sources, pair_files, compared, texts: int, seq_len: int, progress) -> tuple[dict, dict]:
+    """(each domain's batch of texts, each encoder domain's retrieval task). Each domain's held-out passages
+    are read once: the first ``texts`` are compared as they are, and (encoders) all of them are split into
+    retrieval pairs; ``pair_files`` add domains of their own pairs."""
+    kind, tokenizer = compared.kind, compared.tokenizer
+    reach = texts * (PASSAGES_PER_PAIR if kind != "clm" else 1)
+    passages = {name: held_out_texts(name, reach) for name in sources}
+    batches = {name: domain_batch(tokenizer, name, passages[name][:texts], seq_len) for name in sources}
+    tasks = {}
+    if kind == "clm":
+        return batches, tasks
+    found = {name: pairs_from_texts(passages[name], texts) for name in sources}
+    for file in pair_files:
+        name = pair_domain_name(file, found)
+        found[name] = read_pairs(file, texts)
+        batches[name] = domain_batch(tokenizer, name, [document for _, document in found[name]], seq_len)
+    for index, (name, domain) in enumerate(found.items()):
+        progress(f"dense retrieval on {name}", index, len(found))
+        if len(domain) >= 2:  # one pair is no ranking: such a domain reports cosines alone
+            tasks[name] = Task(domain, compared.reference, tokenizer, seq_len, compared.pooling)
+    return batches, tasks
 
 
 def _peers(compressed, reference, path, source, config, tasks, per_domain, progress) -> dict:

@@ -51,12 +51,7 @@ def convert_modules(model: nn.Module, options: ConvertOptions, calibration: Cali
     Pure torch: what makes the result a transformers model that saves and loads compressed is
     ``comera_convert.convert`` (the public verb), which calls this and then the hf layer.
     """
-    if options.calibration is not None and calibration is None:
-        raise ConfigError(f"calibration {options.calibration!r} was requested but no statistics were given: "
-                          f"pass calibration=calibrate(model, tokenizer, {options.calibration!r})")
-    if any(isinstance(m, (TTModule, CodebookEmbedding)) for m in model.modules()):
-        raise ConfigError("the model is already compressed: convert the dense model, "
-                          "or retrain this one with `comera train`")
+    _check_convertible(model, options, calibration)
     start = time.perf_counter()
     params_before = count_params(model)
     candidates, tied, skipped = find_candidates(model, options.targets, options.exclude, options.d)
@@ -73,14 +68,7 @@ def convert_modules(model: nn.Module, options: ConvertOptions, calibration: Cali
         logger.warning("--ffn prune found no feed-forward pair to prune (a BERT-family block's intermediate.dense "
                        "-> output.dense, both compressed): the feed-forward layers are low-rank")
     swap_in(model, candidates, allocation.specs, options, calibration, progress, load=load, release=release)
-
-    converted = {c.name for c, s in zip(candidates, allocation.specs) if s is not None}
-    for head in tied:
-        if head.embedding_name not in converted:
-            skipped[head.name] = f"tied to the dense {head.embedding_name}"
-            continue
-        tie_head(model, head.name, {"embedding": head.embedding_name,
-                                    "bias": getattr(head.module, "bias", None) is not None})
+    _tie_heads(model, tied, {c.name for c, s in zip(candidates, allocation.specs) if s is not None}, skipped)
     report = describe(model, skipped=skipped, target_ratio=options.ratio, shared_rank=allocation.shared_rank,
                       seconds=time.perf_counter() - start, params_before=params_before, source=source)
     report.extra.update(allocation=allocation.description, **allocation.extra)
@@ -89,6 +77,25 @@ def convert_modules(model: nn.Module, options: ConvertOptions, calibration: Cali
     if calibration is not None:
         report.extra["calibration"] = calibration.describe()
     return report
+
+
+def _check_convertible(model: nn.Module, options: ConvertOptions, calibration: Calibration | None) -> None:
+    if options.calibration is not None and calibration is None:
+        raise ConfigError(f"calibration {options.calibration!r} was requested but no statistics were given: "
+                          f"pass calibration=calibrate(model, tokenizer, {options.calibration!r})")
+    if any(isinstance(m, (TTModule, CodebookEmbedding)) for m in model.modules()):
+        raise ConfigError("the model is already compressed: convert the dense model, "
+                          "or retrain this one with `comera train`")
+
+
+def _tie_heads(model: nn.Module, tied, converted: set[str], skipped: dict) -> None:
+    """Each head tied to a converted table computes through it; one tied to a dense table stays as it is."""
+    for head in tied:
+        if head.embedding_name not in converted:
+            skipped[head.name] = f"tied to the dense {head.embedding_name}"
+            continue
+        tie_head(model, head.name, {"embedding": head.embedding_name,
+                                    "bias": getattr(head.module, "bias", None) is not None})
 
 
 def codebook_tables(model: nn.Module, candidates, options: ConvertOptions) -> frozenset[str]:

@@ -22,6 +22,7 @@ held-out domain (docs/findings.md).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -123,55 +124,73 @@ def learn_rank_scales(model: nn.Module, layers: list[Candidate], base: dict[str,
     with torch.no_grad():
         targets = [last_hidden(model, batch) for batch in batches]
     caps = [breakeven_rank(c) for c in layers]
-    soft = [SoftTruncated(c.module, grams.pop(c.name), cap) for c, cap in zip(layers, caps)]
-    cost = torch.tensor([float(c.rows + c.cols) for c in layers], dtype=torch.float64)
-    shares = torch.tensor([base[c.name] for c in layers], dtype=torch.float64)
-    ceiling = torch.tensor(caps, dtype=torch.float64)
-    budget = float((torch.minimum(shares * shared_rank, ceiling) * cost).sum())
-    theta = torch.zeros(len(layers), dtype=torch.float64, requires_grad=True)
-    width = max(MIN_MASK_WIDTH, MASK_WIDTH_SHARE * shared_rank)
-    directions = [torch.arange(cap, dtype=torch.float64) + 0.5 for cap in caps]
+    soft = SoftRanks([SoftTruncated(c.module, grams.pop(c.name), cap) for c, cap in zip(layers, caps)], layers,
+                     torch.tensor([base[c.name] for c in layers], dtype=torch.float64), shared_rank, caps)
 
-    def ranks() -> torch.Tensor:
-        weighted = shares * theta.exp()
-        return (weighted * (budget / (weighted * cost).sum())).clamp(max=ceiling)
+    def distance(index: int) -> torch.Tensor:
+        soft.apply(soft.ranks())
+        return token_distance(last_hidden(model, batches[index]), targets[index])
 
-    def apply(rank: torch.Tensor) -> None:
-        for module, index, k in zip(soft, directions, rank):
-            module.mask = torch.sigmoid((k - index) / width)
-
-    def held_out() -> float:
+    with _swapped_in(model, layers, soft.modules):
         with torch.no_grad():
-            apply(ranks())
-            return float(token_distance(last_hidden(model, batches[-1]), targets[-1]))
-
-    frozen = {id(p): p.requires_grad for p in model.parameters()}
-    for p in model.parameters():
-        p.requires_grad_(False)
-    for candidate, module in zip(layers, soft):
-        set_submodule(model, candidate.name, module)
-    try:
-        before = held_out()
-        optimizer = torch.optim.Adam([theta], lr=lr)
+            before = float(distance(-1))
+        optimizer = torch.optim.Adam([soft.theta], lr=lr)
         for step in range(steps):
-            index = step % (len(batches) - 1)
             with torch.enable_grad():
-                apply(ranks())
-                loss = token_distance(last_hidden(model, batches[index]), targets[index])
+                loss = distance(step % (len(batches) - 1))
                 if not torch.isfinite(loss):
                     break
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
             optimizer.step()
-        after = held_out()
-        learned = ranks().detach()
+        with torch.no_grad():
+            after = float(distance(-1))
+        learned = soft.ranks().detach()
+    if not math.isfinite(after) or after >= before:  # nothing learned: the uniform split stands
+        learned, after = soft.uniform(), before
+    # Rounded as the report records them, so that the scales a report gives back convert to the same ranks.
+    scales = {c.name: round(float(k) / shared_rank, 3) for c, k in zip(layers, learned)}
+    return LearnedRanks(scales, before, after, steps, time.perf_counter() - began)
+
+
+class SoftRanks:
+    """The learned ranks: the uniform split's shares times exp(theta), rescaled to spend the uniform split's
+    parameters, capped at each layer's break-even rank, and applied as soft masks on the layers' directions."""
+
+    def __init__(self, modules: list, layers: list[Candidate], shares: torch.Tensor, shared_rank: int, caps: list[int]):
+        self.modules, self.shares, self.shared_rank = modules, shares, shared_rank
+        self.cost = torch.tensor([float(c.rows + c.cols) for c in layers], dtype=torch.float64)
+        self.ceiling = torch.tensor(caps, dtype=torch.float64)
+        self.budget = float((self.uniform() * self.cost).sum())
+        self.theta = torch.zeros(len(layers), dtype=torch.float64, requires_grad=True)
+        self.width = max(MIN_MASK_WIDTH, MASK_WIDTH_SHARE * shared_rank)
+        self.directions = [torch.arange(cap, dtype=torch.float64) + 0.5 for cap in caps]
+
+    def uniform(self) -> torch.Tensor:
+        """The uniform split's ranks, capped."""
+        return torch.minimum(self.shares * self.shared_rank, self.ceiling)
+
+    def ranks(self) -> torch.Tensor:
+        weighted = self.shares * self.theta.exp()
+        return (weighted * (self.budget / (weighted * self.cost).sum())).clamp(max=self.ceiling)
+
+    def apply(self, rank: torch.Tensor) -> None:
+        for module, index, k in zip(self.modules, self.directions, rank):
+            module.mask = torch.sigmoid((k - index) / self.width)
+
+
+@contextlib.contextmanager
+def _swapped_in(model: nn.Module, layers: list[Candidate], modules: list):
+    """``modules`` in place of ``layers`` with every parameter of ``model`` frozen; then all as it was."""
+    frozen = {id(p): p.requires_grad for p in model.parameters()}
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for candidate, module in zip(layers, modules):
+        set_submodule(model, candidate.name, module)
+    try:
+        yield
     finally:
         for candidate in layers:
             set_submodule(model, candidate.name, candidate.module)
         for p in model.parameters():
             p.requires_grad_(frozen[id(p)])
-    if not math.isfinite(after) or after >= before:  # nothing learned: the uniform split stands
-        learned, after = torch.minimum(shares * shared_rank, ceiling), before
-    # Rounded as the report records them, so that the scales a report gives back convert to the same ranks.
-    scales = {c.name: round(float(k) / shared_rank, 3) for c, k in zip(layers, learned)}
-    return LearnedRanks(scales, before, after, steps, time.perf_counter() - began)

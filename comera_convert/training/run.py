@@ -304,19 +304,33 @@ def open_session(model_name: str, options: TrainOptions) -> Session:
     and the options it implies; set up the rank controller. Every refusal happens here, before data."""
     from transformers import set_seed
 
-    from ..hf.loading import from_pretrained
-
     path = resolve(model_name)
     config = read_config(path)
     quantization = _compression(config, model_name)
+    objective, note, options, encoder = _resolved_options(path, config, quantization, options)
+    # Parameters the checkpoint lacks (a head or pooler the task adds) are initialized at random as
+    # the model loads: seeded, so that a run is repeatable and every worker starts from the same
+    # model (FSDP shards each worker's own values; DDP would broadcast the main one's).
+    set_seed(options.seed)
+    model = _student(path, objective, options)
+    tokenizer = load_tokenizer(path, "comera train")
+    teacher = _load_teacher(options, quantization, model) if objective == "distill" else None
+    if options.distill_mode == "block-wise":
+        require_same_depth(model, teacher)
+    dense_params = quantization.get("dense_params") or sum(p.numel() for p in model.parameters())
+    return Session(path, objective, note, options, model, tokenizer, teacher,
+                   RankController(model, options, dense_params), encoder)
+
+
+def _resolved_options(path: str, config: dict, quantization: dict, options: TrainOptions):
+    """(objective, note, options for it, whether a distilled encoder): the objective picked from the
+    checkpoint, and the options it implies (``TrainOptions.for_objective``)."""
     objective, note = pick_objective(options.objective, config, options.teacher or quantization.get("source"))
     encoder = objective == "distill" and resolve_objective("auto", config) == "mlm"
-    if options.distill_mode != "end-to-end" and objective != "distill":
-        raise ConfigError(f"--distill-mode {options.distill_mode} needs the distill objective; "
-                          f"this run trains with {objective}")
-    if options.distill_states == "cosine" and objective != "distill":
-        raise ConfigError(f"--distill-states {options.distill_states} needs the distill objective; "
-                          f"this run trains with {objective}")
+    for flag, value in (("--distill-mode", options.distill_mode != "end-to-end" and options.distill_mode),
+                        ("--distill-states", options.distill_states == "cosine" and options.distill_states)):
+        if value and objective != "distill":
+            raise ConfigError(f"{flag} {value} needs the distill objective; this run trains with {objective}")
     # Integer factors (the config's storage record) keep the relative MSE: each token's cosine ended
     # level with it on an int4 checkpoint (docs/findings.md).
     cut = None if quantization.get("storage") else recorded_layers_cut(path, options.target_ratio)
@@ -327,10 +341,14 @@ def open_session(model_name: str, options: TrainOptions) -> Session:
             "the conversion cut the factorized layers"
         note = "; ".join(filter(None, [note, f"hidden states matched by {options.distill_states} ({how} {cut:.1f}x; "
                                               "--distill-states to choose)"]))
-    # Parameters the checkpoint lacks (a head or pooler the task adds) are initialized at random as
-    # the model loads: seeded, so that a run is repeatable and every worker starts from the same
-    # model (FSDP shards each worker's own values; DDP would broadcast the main one's).
-    set_seed(options.seed)
+    return objective, note, options, encoder
+
+
+def _student(path: str, objective: str, options: TrainOptions) -> torch.nn.Module:
+    """The compressed model as it trains: its head for the objective, its dropout, and (integer factors) on
+    its grid."""
+    from ..hf.loading import from_pretrained
+
     model = from_pretrained(path, task=task_for(objective))
     if options.gradient_checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
         raise ConfigError(f"--gradient-checkpointing: {type(model).__name__} does not support activation "
@@ -343,13 +361,7 @@ def open_session(model_name: str, options: TrainOptions) -> Session:
     if grid is not None:
         model.config.quantization_config.round_as_trained()
         train_on_the_grid(model, grid)
-    tokenizer = load_tokenizer(path, "comera train")
-    teacher = _load_teacher(options, quantization, model) if objective == "distill" else None
-    if options.distill_mode == "block-wise":
-        require_same_depth(model, teacher)
-    dense_params = quantization.get("dense_params") or sum(p.numel() for p in model.parameters())
-    return Session(path, objective, note, options, model, tokenizer, teacher,
-                   RankController(model, options, dense_params), encoder)
+    return model
 
 
 # Held-out pairs a distilled encoder's retrieval is scored on, before and after training: enough
@@ -436,15 +448,21 @@ def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, 
     for warning in (result.shortfall, result.regression):
         if warning:
             logger.warning(warning)
+    _write(result, trainer, session, sharding, out, held_out.targets is not None, command, max_shard_size)
+    return result
+
+
+def _write(result: TrainResult, trainer, session: Session, sharding, out: Path, distilled: bool, command,
+           max_shard_size) -> None:
+    """The trained model exported by the main worker, every worker waiting until it is written."""
     trained = session.model if sharding is None else sharding.full_model(session.model)
     if trainer.is_world_process_zero():
         result.report = export(trained, trainer.history, out, source=session.path,
-                               training=_record(result, options, held_out.targets is not None), command=command,
+                               training=_record(result, session.options, distilled), command=command,
                                max_shard_size=max_shard_size)
         result.ratio_after = result.report.ratio  # more than the run's own count where opened layers went dense again
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()  # every worker returns once the trained model is written
-    return result
 
 
 def _resume_point(checkpoints: Path, resume: bool, options: TrainOptions) -> str | None:
