@@ -102,7 +102,7 @@ def bench(cases, quick, device, dtype, repeats, json_path, variants, model_name,
 
 
 def _check_cases(cases, device: str, variants, model_name: str, checkpoint) -> None:
-    """Refuse, before anything is measured, options that do not go with the cases asked for."""
+    """Refuse, before anything is measured, options that do not go with the chosen cases."""
     import torch
 
     from ..bench.models import chosen_variants

@@ -98,7 +98,7 @@ def _require_runtime(fmt: str, quantize: str | None, arch: str | None) -> str | 
 
 
 def _write_format(fmt, model, tokenizer, directory: Path, opset, quantize, arch, progress) -> OnnxExport:
-    from .openvino_export import write_openvino_graphs  # imports OpenVINO: only when asked for
+    from .openvino_export import write_openvino_graphs  # imports OpenVINO: only for that format
 
     if fmt == "openvino":
         with eager_attention(model):

@@ -1,7 +1,8 @@
 """Where a conversion's weights come from: three kinds of source behind one interface, so that the
 coordinator (``run.py``) runs the same steps whichever it has.
 
-- ``WholeSource``: the model loaded whole, calibrated in memory where asked, cast for storage at the end;
+- ``WholeSource``: the model loaded whole, calibrated in memory where the options name text, cast for
+  storage at the end;
 - ``StreamedSource``: the model on the meta device, each layer's weight read just before it is decomposed
   and its TT module spooled to disk (``streaming.py``, ``spool.py``);
 - ``SequentialSource``: streamed, and calibrated block by block as the conversion reaches each block,

@@ -299,7 +299,7 @@ class TrainOptions:
                               "add --reproject")
 
     def _check_stages(self) -> None:
-        """The target and the two stages: a target ratio needs a late stage to compress in."""
+        """--target-ratio and the two stages: a target ratio needs a late stage to compress in."""
         if not 0 < self.target_fraction <= 1:
             raise ConfigError(expected("target_fraction in (0, 1]", self.target_fraction))
         if self.target_ratio is not None and (not isinstance(self.target_ratio, (int, float))
