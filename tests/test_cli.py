@@ -262,6 +262,16 @@ def test_every_conversion_option_is_a_flag_of_comera_convert():
     assert missing == []
 
 
+def test_every_training_option_is_a_flag_of_comera_train():
+    from dataclasses import fields
+
+    from comera_convert.training import TrainOptions
+
+    flags = {param.name for param in main.commands["train"].params}
+    missing = [f.name for f in fields(TrainOptions) if f.name != "version" and f.name not in flags]
+    assert missing == []
+
+
 def test_ratio_that_is_not_a_number_is_a_usage_error(dense_dir):
     result = run("convert", dense_dir, "--ratio", "abc")
     assert result.exit_code == 2

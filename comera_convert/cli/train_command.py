@@ -65,7 +65,9 @@ OPTION_NAMES = ["objective", "data", "steps", "minutes", "seq_len", "batch_size"
                 "teacher", "distill_mode", "distill_states", "logging_steps", "save_steps", "seed", "warmup_steps",
                 "lr_scheduler_type", "dropout", "document_starts", "start_min_tokens", "start_max_tokens",
                 "gradient_checkpointing", "bf16", "compile", "fsdp", "cut_ranks", "reproject", "reproject_at",
-                "budget_share", "late_objective", "last_block_floor"]
+                "budget_share", "late_objective", "last_block_floor", "weight_decay", "plateau_window", "plateau_tol",
+                "target_fraction", "target_loss", "late_weighted_sum", "late_rank_weight", "mlm_probability",
+                "max_nan_steps", "max_eval_blocks"]
 
 
 @main.command()
@@ -135,6 +137,30 @@ OPTION_NAMES = ["objective", "data", "steps", "minutes", "seq_len", "batch_size"
 @click.option("--gradient-checkpointing", is_flag=True, default=None,
               help="Recompute each layer's activations in backward: less memory, more compute.")
 @click.option("--seed", type=int, default=None)
+@click.option("--weight-decay", type=float, default=None, metavar="X",
+              help="AdamW's weight decay on the cores and the dense rest; the gates have none [default: 0.01].")
+@click.option("--plateau-window", type=int, default=None, metavar="N",
+              help="Also switch stages once the loss's smoothed gain over N steps falls below --plateau-tol "
+                   "[default: 0, off].")
+@click.option("--plateau-tol", type=float, default=None, metavar="X",
+              help="The relative gain under which --plateau-window switches stages [default: 1e-3].")
+@click.option("--target-fraction", type=float, default=None, metavar="X",
+              help="Without --target-ratio: the late stage's size target as this share of the TT size at the "
+                   "switch (CoMERA's) [default: 0.2].")
+@click.option("--target-loss", type=float, default=None, metavar="L",
+              help="The late stage's loss target L0 [default: the smoothed loss at the switch].")
+@click.option("--late-weighted-sum", type=float, default=None, metavar="X",
+              help="Weight of the weighted-sum term (loss + beta * rank surrogate) added to the late stage's "
+                   "min-max step [default: 0.1].")
+@click.option("--late-rank-weight", type=float, default=None, metavar="X",
+              help="Weight of the rank surrogate when size is the worse-off objective of the late stage "
+                   "[default: 1].")
+@click.option("--mlm-probability", type=float, default=None, metavar="P",
+              help="Share of tokens masked for the mlm objective [default: 0.15].")
+@click.option("--max-nan-steps", type=int, default=None, metavar="N",
+              help="Consecutive non-finite losses tolerated (each step skipped) before stopping [default: 5].")
+@click.option("--max-eval-blocks", type=int, default=None, metavar="N",
+              help="Held-out blocks the loss is measured on [default: 64].")
 @click.option("--bf16/--no-bf16", default=None,
               help="bf16 autocast [default: on with CUDA, or on a CPU with AVX512-BF16 or AMX].")
 @click.option("--compile", is_flag=True, default=None, help="torch.compile with CUDA graphs (fixed shapes).")

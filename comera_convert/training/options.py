@@ -46,8 +46,8 @@ SCHEDULE_FIELDS = ("target_ratio", "target_fraction", "early_steps", "budget_sha
                    "last_block_floor", "reproject", "reproject_at", "cut_ranks", "rank_multiple", "tau")
 
 
-# Settings that only a recipe holds (no flag of `comera train`).
-RECIPE_ONLY = ("target_fraction",)
+# Settings that only a recipe holds (no flag of `comera train`): none now, every one is a flag.
+RECIPE_ONLY = ()
 
 
 def as_flag(name: str, value) -> str:
@@ -186,7 +186,6 @@ class TrainOptions:
     distill_states: str | None = None
     logging_steps: int = 10
     save_steps: int = 500
-    eval_steps: int | None = None
     seed: int = 0
     max_nan_steps: int = 5  # consecutive non-finite losses tolerated (each step skipped) before stopping
     bf16: bool | None = None  # None = on with CUDA or a CPU with native bf16 (run.default_bf16)
