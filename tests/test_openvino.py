@@ -89,6 +89,7 @@ def test_cli_export_says_which_runtime_checked_and_the_earlier_name_still_works(
     assert "export-onnx" not in CliRunner().invoke(main, ["--help"]).output  # one name in the list
 
 
+@pytest.mark.slow  # four exports and their int8 calibrations, then every method timed
 def test_bench_serving_adds_openvino_float_and_int8_and_a_peer_graph(tmp_path):
     checkpoint, dense, pairs = serving_checkpoint(tmp_path)
     peer = export_model(str(checkpoint), tmp_path / "peer", fmt="openvino").graphs[0]  # made apart
