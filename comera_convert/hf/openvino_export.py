@@ -33,7 +33,7 @@ INT8_FILE = "openvino_model_qint8_quantized.xml"  # sentence-transformers' name 
 CALIBRATION_SOURCE = "english"
 CALIBRATION_TEXTS = 128  # the samples sentence-transformers' OpenVINO export collects statistics on
 CALIBRATION_TOKENS = 256  # the longest text MiniLM and MPNet sentence models embed
-EXACT = {"INFERENCE_PRECISION_HINT": "f32"}  # for the float graph's check: OpenVINO's own precision, not bf16
+EXACT = {"INFERENCE_PRECISION_HINT": "f32"}  # the float graph checked in float32, not the bf16 OpenVINO may pick
 
 
 def openvino_installed() -> bool:
