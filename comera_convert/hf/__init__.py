@@ -12,7 +12,8 @@ quantizer         the registered "comera" quantizer that builds TT modules on lo
 registration      registers it as transformers' quantizers load (import comera_convert stays light)
 loading           from_pretrained, decompress_model
 sentence_config   sentence-transformers' modules.json: checked before converting; eval's pooling
-onnx_export       `comera export`: the compressed graph into onnx/, checked with onnxruntime
+export            `comera export`: the graphs' folder in the checkpoint or a weightless copy of it
+onnx_export       the compressed graph into onnx/, checked with onnxruntime
 onnx_int8         its int8 graph, quantized and named as sentence-transformers quantizes its exports
 openvino_export   `comera export --format openvino`: that graph converted by OpenVINO, int8 by NNCF
 lora              peft LoRA adapters on TT layers
