@@ -45,7 +45,7 @@ class OpenVinoEncoder(nn.Module):
 
 def openvino_methods(reference: nn.Module, compressed: nn.Module, tokenizer, progress) -> dict[str, OpenVinoEncoder]:
     """The four OpenVINO methods, their graphs written to a temporary folder, compiled, and removed."""
-    from ..hf.onnx_export import DEFAULT_OPSET, eager_attention
+    from ..hf.onnx_export import DEFAULT_OPSET
     from ..hf.openvino_export import require_openvino, write_openvino_graphs
 
     require_openvino("comera bench serving's OpenVINO rows")
@@ -53,7 +53,7 @@ def openvino_methods(reference: nn.Module, compressed: nn.Module, tokenizer, pro
     for names, model, where in [((DENSE_OPENVINO, DENSE_OPENVINO_INT8), reference, "dense"),
                                 ((OURS_OPENVINO, OURS_OPENVINO_INT8), compressed, "comera")]:
         progress(f"exporting the {where} model to OpenVINO, float and int8")
-        with tempfile.TemporaryDirectory(prefix="comera-serving-") as folder, eager_attention(model):
+        with tempfile.TemporaryDirectory(prefix="comera-serving-") as folder:
             graphs = write_openvino_graphs(model, tokenizer, Path(folder), opset=DEFAULT_OPSET, quantize="int8").graphs
             methods.update(zip(names, map(OpenVinoEncoder, graphs)))
     return methods

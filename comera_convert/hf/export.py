@@ -19,8 +19,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..progress import Progress, no_progress
-from .onnx_export import (DEFAULT_OPSET, DTYPES, INT8_NOTE, MIN_OPSET, ONNX_FOLDER, QUANTIZE, OnnxExport,
-                          eager_attention, write_graphs)
+from .onnx_export import DEFAULT_OPSET, DTYPES, INT8_NOTE, MIN_OPSET, ONNX_FOLDER, QUANTIZE, OnnxExport, write_graphs
 from .openvino_export import OPENVINO_FOLDER
 
 FORMATS = {"onnx": ONNX_FOLDER, "openvino": OPENVINO_FOLDER}  # each runtime's graphs, and the folder they go in
@@ -101,9 +100,7 @@ def _write_format(fmt, model, tokenizer, directory: Path, opset, quantize, arch,
     from .openvino_export import write_openvino_graphs  # imports OpenVINO: only for that format
 
     if fmt == "openvino":
-        with eager_attention(model):
-            return write_openvino_graphs(model, tokenizer, directory, opset=opset, quantize=quantize,
-                                         progress=progress)
+        return write_openvino_graphs(model, tokenizer, directory, opset=opset, quantize=quantize, progress=progress)
     return write_graphs(model, tokenizer, directory, opset=opset, quantize=quantize, arch=arch, progress=progress)
 
 

@@ -25,7 +25,7 @@ import torch
 
 from ..errors import ConfigError
 from ..progress import Progress, no_progress
-from .onnx_export import TOLERANCE, reference_outputs, relative_error, write_graphs
+from .onnx_export import TOLERANCE, eager_attention, reference_outputs, relative_error, write_graphs
 
 OPENVINO_FOLDER = "openvino"  # where sentence-transformers and optimum-intel look for OpenVINO graphs
 OPENVINO_FILE = "openvino_model.xml"
@@ -55,7 +55,13 @@ def write_openvino_graphs(model: torch.nn.Module, tokenizer, directory: Path, *,
                           progress: Progress = no_progress):
     """Write ``model``'s OpenVINO graph to ``directory/openvino_model.xml`` and, with ``quantize``, the int8
     graph; each checked against PyTorch on the tokenized sample. Returns the export's record
-    (``onnx_export.OnnxExport``) with these graphs."""
+    (``onnx_export.OnnxExport``) with these graphs; exported with plain attention, as the ONNX graph is
+    (``onnx_export.eager_attention``)."""
+    with eager_attention(model):
+        return _write_openvino_graphs(model, tokenizer, directory, opset, quantize, progress)
+
+
+def _write_openvino_graphs(model, tokenizer, directory: Path, opset: int, quantize, progress):
     import openvino
 
     reference = reference_outputs(model, tokenizer)
@@ -93,10 +99,9 @@ def quantize_static(graph, tokenizer, tokens: int = CALIBRATION_TOKENS):
         return nncf.quantize(graph, dataset, model_type=nncf.ModelType.TRANSFORMER, subset_size=len(samples))
 
 
-def run_graph(file_or_compiled, feeds: dict) -> np.ndarray:
-    """The graph's first output on ``feeds`` (numpy arrays by input name; token type ids as zeros where the
-    graph takes them and none are given)."""
-    compiled = file_or_compiled if not isinstance(file_or_compiled, (str, Path)) else compile_graph(file_or_compiled)
+def run_graph(compiled, feeds: dict) -> np.ndarray:
+    """The compiled graph's first output on ``feeds`` (numpy arrays by input name; token type ids as zeros
+    where the graph takes them and none are given)."""
     return compiled({port.get_any_name(): _input(feeds, port.get_any_name()) for port in compiled.inputs})[0]
 
 
