@@ -12,16 +12,14 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 from torch import nn
 
-from .conversion import Calibration, ConversionReport, ConvertOptions, calibrate
+from .conversion import Calibration, ConversionReport, ConvertRequest, calibrate, plan
 from .hf.loading import decompress_model, from_pretrained
 from .hf.saving import check_output_dir, shard_kwargs
 from .models import resolve
-from .option_files import from_mapping
 from .pipeline.run import ConversionResult, convert_model
 from .pipeline.run import convert_checkpoint as run_pipeline
 from .progress import Progress, no_progress
@@ -32,36 +30,31 @@ __all__ = ["ConversionResult", "calibrate", "convert", "convert_checkpoint", "de
 # exported from the package as they are (importing them loads transformers' Trainer).
 
 
-def convert(model: nn.Module, options: ConvertOptions | None = None, *, calibration: Calibration | None = None,
+def convert(model: nn.Module, options: ConvertRequest | None = None, *, calibration: Calibration | None = None,
             source: str | None = None, progress=None, load=None, release=None, **overrides) -> ConversionReport:
     """Convert ``model`` in place and return the report; ``model.save_pretrained`` then writes a
     compressed checkpoint.
 
-    ``options``: a ConvertOptions (default: ratio 4); ``overrides``: any of its fields (ratio=,
-    rank=, layout=, targets=, exclude=, allocation=, ...), validated the same way. ``calibration``:
+    ``options``: a ConvertRequest (``ConvertOptions``; default: ratio 4); ``overrides``: any of its fields
+    (ratio=, rank=, layout=, targets=, exclude=, allocation=, ...), validated the same way; the defaults
+    left open are chosen for ``model`` by ``plan(request, model)``, recorded in the report. ``calibration``:
     the statistics of ``calibrate(model, tokenizer, data)``. ``source``: the dense model's name,
     recorded for `comera eval` and distillation. ``progress(name, index, count)`` hears of each module;
     ``load(name)`` gives a module its weights just before it is decomposed and ``release(name)`` takes
     its TT module once in place (streaming conversion).
     """
-    return convert_model(model, with_overrides(options, overrides), calibration=calibration, source=source,
+    request = with_overrides(options, overrides)
+    return convert_model(model, plan(request, model), calibration=calibration, source=source,
                          progress=progress, load=load, release=release)
 
 
-def with_overrides(options: ConvertOptions | None, overrides: dict) -> ConvertOptions:
-    """``options`` (default ConvertOptions()) with ``overrides`` applied and validated; a fixed rank
-    given as an override replaces the default ratio."""
-    if not overrides:
-        return options or ConvertOptions()
-    # Only what was given is carried over: the defaults that depend on others (the modes on the ratio
-    # and the table, compensation on the layers' cut) are chosen for the final values.
-    base = {**dataclasses.asdict(options), **options.defaulted()} if options is not None else {}
-    if overrides.get("rank") is not None and "ratio" not in overrides:
-        base["ratio"] = None
-    return from_mapping(ConvertOptions, {**base, **overrides}, "convert()")
+def with_overrides(options: ConvertRequest | None, overrides: dict) -> ConvertRequest:
+    """``options`` (default ConvertRequest()) with ``overrides`` applied and validated."""
+    request = options or ConvertRequest()
+    return request.with_changes(**overrides) if overrides else request
 
 
-def convert_checkpoint(model_name: str, out, options: ConvertOptions | None = None, *, task=None, overwrite=False,
+def convert_checkpoint(model_name: str, out, options: ConvertRequest | None = None, *, task=None, overwrite=False,
                        progress: Progress | None = None, default_calibration: str | None = None,
                        command: str | None = None, max_shard_size: int | str | None = None,
                        **overrides) -> ConversionResult:

@@ -1,7 +1,7 @@
 """The names options choose from, in one torch-free module.
 
 The CLI builds its option lists from these, so `comera --help` starts without importing torch;
-the modules that act on a name (conversion/options.py, training/options.py, bench/models.py)
+the modules that act on a name (request.py, training/options.py, bench/models.py)
 import it from here, so each list is written once.
 """
 
@@ -12,6 +12,13 @@ ALLOCATIONS = ("uniform", "learned", "measured", "sensitivity")
 # What a block's feed-forward pair becomes under a --ratio budget: two low-rank layers, or the pair
 # with whole hidden neurons pruned (conversion/pruning.py).
 FFN_METHODS = ("low-rank", "prune")
+# How a linear layer's (or an embedding's) weight is laid out as a TT: its rows' modes then its
+# columns' (tt, as CoMERA's linears), or each core mapping a row mode to a column mode (ttm).
+LAYOUTS = ("tt", "ttm")
+# What a checkpoint stores its tensors as (`comera convert --dtype`, conversion/storage.py): floats, or
+# integers with float16 scales (the bits each).
+FLOAT_STORAGE = ("float32", "bfloat16", "float16")
+INTEGER_STORAGE = {"int8": 8, "int4": 4}
 # What the input word table becomes: a TT, or a product-quantized codebook table.
 WORD_EMBEDDINGS = ("tt", "codebook")
 

@@ -17,7 +17,7 @@ from peft import get_peft_model
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trainer, TrainingArguments
 
 import comera_convert
-from comera_convert.conversion import ConvertOptions
+from comera_convert import ConvertRequest
 from comera_convert.text import documents, is_held_out
 from comera_convert.api import convert_checkpoint
 
@@ -46,7 +46,7 @@ def accuracy(model, data) -> float:
 
 def main(full: bool) -> None:
     with tempfile.TemporaryDirectory() as work:
-        convert_checkpoint("minilm", f"{work}/minilm-tt4", ConvertOptions(ratio=4))  # plain TT-SVD, seconds
+        convert_checkpoint("minilm", f"{work}/minilm-tt4", ConvertRequest(ratio=4))  # plain TT-SVD, seconds
         tokenizer = AutoTokenizer.from_pretrained(f"{work}/minilm-tt4")
         torch.manual_seed(0)  # the new classification head starts the same every run
         model = AutoModelForSequenceClassification.from_pretrained(f"{work}/minilm-tt4", num_labels=2)

@@ -14,7 +14,7 @@ ROOT = Path(comera_convert.__file__).parent
 # Lowest first. A part may import its own layer and the layers below it.
 LAYERS = [
     {"errors", "progress", "option_files", "choices"},
-    {"tt", "codebook", "integer", "text"},
+    {"tt", "codebook", "integer", "text", "request"},
     {"layers"},
     {"conversion"},
     {"hf", "models"},
@@ -25,7 +25,7 @@ LAYERS = [
     {"bench", "cli", "__init__", "__main__"},
 ]
 WITHOUT_TRANSFORMERS = {"errors", "progress", "option_files", "choices", "tt", "codebook", "integer", "text", "layers",
-                        "conversion"}
+                        "conversion", "request"}
 
 
 def part_of(module: str) -> str:

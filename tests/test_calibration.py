@@ -1,6 +1,7 @@
 """Data-aware conversion: weighted TT decompositions against plain TT-SVD on the weighted error,
 calibration statistics from hooks, sensitivity allocation, and bad calibration input."""
 
+import dataclasses
 import logging
 import math
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 import comera_convert
-from comera_convert.conversion import ConvertOptions, convert_modules, count_params
+from comera_convert.conversion import ConvertOptions, convert_modules, count_params, plan
 from comera_convert.conversion.calibration import Calibration, collect, max_positions, weighted_decomposer
 from comera_convert.conversion.experimental.sensitivity import error_curve
 from comera_convert.conversion.targets import find_candidates
@@ -55,7 +56,7 @@ def test_one_mode_whitened_tt_is_the_whitened_truncated_svd():
 
 
 def test_one_mode_needs_the_tt_layout():
-    from comera_convert.conversion.options import ConvertOptions
+    from comera_convert.conversion import ConvertOptions
 
     with pytest.raises(ConfigError, match=r"--modes 1 is a plain low-rank factorization .* \(got layout ttm"):
         ConvertOptions(d=1, layout="ttm")
@@ -76,9 +77,9 @@ def test_default_modes_follow_the_table_and_the_layout(options, modes):
     """One mode (plain low-rank) with a ratio and a codebook table; with a TT table (whose
     frequent-first rows need modes) three below --ratio 3, two from 3, one from 4; a ttm layout
     needs two or more; CoMERA's three with a fixed rank; an explicit --modes wins."""
-    from comera_convert.conversion.options import ConvertOptions
+    from comera_convert.conversion.plan import ModelShape, plan_for
 
-    assert ConvertOptions(**options).d == modes
+    assert plan_for(ConvertOptions(**options), ModelShape(params=1_000_000, cut=2.0)).d == modes
 
 
 def _on_meta(config):
@@ -111,35 +112,36 @@ def test_the_defaults_follow_how_hard_the_ratio_cuts_each_shape():
     assert layers_cut(table_only, 2, d=1) == 1.0  # its linears are too small to convert: nothing is cut
 
     def chosen(model, **options):
-        got = ConvertOptions(**options).for_model(model)
-        return got.d, got.compensate, got.reconstruct_steps
+        got = plan(ConvertOptions(**options), model)
+        return got.d, got.compensate, got.reconstruct_steps > 0  # reconstructing
 
-    assert chosen(minilm, ratio=2) == (1, True, 300)  # its layers cut 1.05x: compensating
-    assert chosen(minilm, ratio=1.9) == (1, False, 0)  # 0.99x: the codebook table alone reaches it
-    assert chosen(minilm, ratio=3) == (1, True, 300)
-    assert chosen(bert_base, ratio=2) == (1, True, 300)
-    assert chosen(bert_base, ratio=2, layout="ttm") == (3, True, 300)
-    assert chosen(bert_base, ratio=2, word_embedding="tt") == (3, False, 0)  # a TT table: by the ratio
-    assert chosen(bert_base, ratio=2, d=3, compensate=False) == (3, False, 300)  # given: kept
-    assert chosen(minilm, rank=30) == (3, False, 0)
-    again = ConvertOptions(ratio=2).for_model(bert_base).replace(ratio=1.2).for_model(bert_base)
-    assert (again.d, again.compensate) == (1, False)  # the defaults are chosen again for a new ratio
+    assert chosen(minilm, ratio=2) == (1, True, True)  # its layers cut 1.05x: compensating
+    assert chosen(minilm, ratio=1.9) == (1, False, False)  # 0.99x: the codebook table alone reaches it
+    assert chosen(minilm, ratio=3) == (1, True, True)
+    assert chosen(bert_base, ratio=2) == (1, True, True)
+    assert chosen(bert_base, ratio=2, layout="ttm") == (3, True, True)
+    assert chosen(bert_base, ratio=2, word_embedding="tt") == (3, False, False)  # a TT table: by the ratio
+    assert chosen(bert_base, ratio=2, d=3, compensate=False) == (3, False, True)  # given: kept
+    assert chosen(minilm, rank=30) == (3, False, False)
+    again = plan(dataclasses.replace(ConvertOptions(ratio=2), ratio=1.2), bert_base)
+    assert (again.d, again.compensate) == (1, False)  # a changed request is planned afresh
     # Reconstruction's steps shrink with the compressed block (a bert-base's is 7.1 M dense), so that a
     # bert-base converts as fast as with 100 steps before; MiniLM's smaller blocks get more.
-    block = sum(p.numel() for p in bert_base.encoder.layer[0].parameters())
-    assert ConvertOptions(ratio=4).for_model(bert_base).reconstruct_steps_for(block) == 75
-    assert ConvertOptions(ratio=2).for_model(bert_base).reconstruct_steps_for(block) == 36
-    assert ConvertOptions(ratio=2, reconstruct_steps=100).for_model(bert_base).reconstruct_steps_for(block) == 100
+    def steps(model, **options):
+        return plan(ConvertOptions(**options), model).reconstruct_steps
+
+    assert steps(bert_base, ratio=4) == 75
+    assert steps(bert_base, ratio=2) == 36
+    assert steps(bert_base, ratio=2, reconstruct_steps=100) == 100
     # A ratio out of reach (the cut is infinite) is the allocation's error to give, not a division's.
-    assert ConvertOptions(ratio=200).for_model(bert_base).reconstruct_steps_for(block) == 300
-    minilm_block = sum(p.numel() for p in minilm.encoder.layer[0].parameters())
-    assert ConvertOptions(ratio=3).for_model(minilm).reconstruct_steps_for(minilm_block) == 147
-    assert ConvertOptions(ratio=4).for_model(minilm).reconstruct_steps_for(minilm_block) == 205
-    assert ConvertOptions(ratio=8).for_model(minilm).reconstruct_steps_for(minilm_block) == 300  # the most
-    assert ConvertOptions(ratio=8, reconstruct_steps=50).for_model(minilm).reconstruct_steps_for(minilm_block) == 50
+    assert steps(bert_base, ratio=200) == 300
+    assert steps(minilm, ratio=3) == 147
+    assert steps(minilm, ratio=4) == 205
+    assert steps(minilm, ratio=8) == 300  # the most
+    assert steps(minilm, ratio=8, reconstruct_steps=50) == 50
     from comera_convert.api import with_overrides
 
-    assert with_overrides(ConvertOptions(ratio=8, layout="ttm"), {"ratio": 2}).d == 3  # so are convert()'s
+    assert plan(with_overrides(ConvertOptions(ratio=8, layout="ttm"), {"ratio": 2}), bert_base).d == 3
 
 
 def test_whitened_tt_at_full_rank_is_exact_with_padding():
@@ -248,7 +250,7 @@ def test_calibrated_conversion_is_closer_on_text_like_the_calibration(layout):
     errors = {}
     for name, calibration in (("plain", None), ("calibrated", stats)):
         model = build("bert")
-        report = convert_modules(model, ConvertOptions(ratio=2, layout=layout), calibration=calibration)
+        report = convert_modules(model, plan(ConvertOptions(ratio=2, layout=layout), model), calibration=calibration)
         with torch.no_grad():
             errors[name] = rel_err(model(input_ids=held_out).last_hidden_state, reference)
         assert report.ratio >= 2
@@ -315,13 +317,13 @@ def test_bad_calibration_input():
     with pytest.raises(ConfigError, match=r"gave 4 sequences; at least 8 are needed"):
         collect(model, candidates, skewed_batches(count=1), source="tiny", min_sequences=8)
     with pytest.raises(ConfigError, match="allocation 'sensitivity' needs calibration data"):
-        convert_modules(model, ConvertOptions(ratio=2, allocation="sensitivity"))
+        convert_modules(model, plan(ConvertOptions(ratio=2, allocation="sensitivity"), model))
     with pytest.raises(ConfigError, match="no statistics were given"):
-        convert_modules(model, ConvertOptions(ratio=2, calibration="python-stdlib"))
+        convert_modules(model, plan(ConvertOptions(ratio=2, calibration="python-stdlib"), model))
     with pytest.raises(ConfigError, match="does not apply to a fixed --rank 8"):
         ConvertOptions(rank=8, calibration="python-stdlib", allocation="sensitivity")
     with pytest.raises(ConfigError, match="allocation 'measured' needs calibration data"):
-        convert_modules(model, ConvertOptions(ratio=2, allocation="measured"))
+        convert_modules(model, plan(ConvertOptions(ratio=2, allocation="measured"), model))
     with pytest.raises(ConfigError, match="allocation in"):
         ConvertOptions(ratio=2, allocation="greedy")
 
@@ -338,7 +340,7 @@ def test_bias_correction_centres_the_error_on_the_calibration_inputs():
         stats = Calibration(grams={"0": (x.T @ x).double()}, sums={"0": x.sum(0).double()}, rows={"0": 512})
         if not corrected:
             stats.sums = {}
-        convert_modules(model, ConvertOptions(rank=6), calibration=stats)
+        convert_modules(model, plan(ConvertOptions(rank=6), model), calibration=stats)
         with torch.no_grad():
             change = model(x) - (x @ dense[0].T + dense[1])
         errors[corrected] = float(change.mean(0).norm() / change.norm(dim=1).mean())
@@ -384,7 +386,7 @@ def test_a_compensated_conversion_makes_up_for_the_error_of_the_layers_before_it
                             rows={"0": 1024})
         if compensated:
             stats.cross, stats.dense_sums = {"0": (x_hat.T @ x).double()}, {"0": x.sum(0).double()}
-        convert_modules(model, ConvertOptions(rank=24, d=1), calibration=stats)
+        convert_modules(model, plan(ConvertOptions(rank=24, d=1), model), calibration=stats)
         with torch.no_grad():
             change = model(x_hat) - (x @ dense[0].T + dense[1])
         errors[compensated] = (float(change.norm() / (x @ dense[0].T).norm()), float(change.mean(0).norm()))
@@ -393,13 +395,17 @@ def test_a_compensated_conversion_makes_up_for_the_error_of_the_layers_before_it
 
 
 def test_compensation_follows_the_cut_unless_told_and_is_true_or_false():
-    assert ConvertOptions(ratio=4).compensate is True
+    from comera_convert.conversion.plan import ModelShape, plan_for
+
+    def compensates(cut=2.3, **options):
+        return plan_for(ConvertOptions(**options), ModelShape(params=22_713_216, cut=cut)).compensate
+
+    assert compensates(ratio=4) is True  # MiniLM's layers at --ratio 4 are cut 2.3x
     # Off where the layers need no cut (the codebook table alone reaches the ratio) and for a fixed rank.
-    assert ConvertOptions(ratio=1.9, layers_cut=0.99).compensate is False and ConvertOptions(rank=8).compensate is False
-    assert ConvertOptions(ratio=2, layers_cut=1.05).compensate is True  # MiniLM at --ratio 2
-    assert ConvertOptions(ratio=2).compensate is True  # before the model is known its cut is the ratio
-    assert ConvertOptions(ratio=2, word_embedding="tt").compensate is False  # a TT table: from --ratio 3
-    assert ConvertOptions(ratio=1.4, compensate=True).compensate is True
+    assert compensates(ratio=1.9, cut=0.99) is False and compensates(rank=8, cut=None) is False
+    assert compensates(ratio=2, cut=1.05) is True  # MiniLM at --ratio 2
+    assert compensates(ratio=2, cut=2.0, word_embedding="tt") is False  # a TT table: from --ratio 3
+    assert compensates(ratio=1.4, cut=0.5, compensate=True) is True  # given: kept
     with pytest.raises(ConfigError, match=r"expected compensate as true or false \(got 'yes'\)"):
         ConvertOptions(ratio=4, compensate="yes")
 

@@ -250,16 +250,21 @@ def test_bad_input_is_one_line_and_non_zero(dense_dir, tmp_path):
 
 
 def test_every_conversion_option_is_a_flag_of_comera_convert():
+    """The flags are generated from the request's fields: each one fills the field of its name, with the
+    field's help, and a flag whose value is wrong is refused as the request refuses it."""
     from dataclasses import fields
 
-    from comera_convert.conversion import ConvertOptions
+    from comera_convert.request import ConvertRequest
 
-    flags = {param.name for param in main.commands["convert"].params}
-    named_otherwise = {"gates": "no_gates"}  # the flag turns the default off
-    not_a_choice = {"version"}  # the checkpoint format's version
-    missing = [f.name for f in fields(ConvertOptions)
-               if f.name not in not_a_choice and named_otherwise.get(f.name, f.name) not in flags]
-    assert missing == []
+    params = {param.name: param for param in main.commands["convert"].params}
+    offered = [f for f in fields(ConvertRequest) if f.metadata.get("cli", True)]
+    assert [f.name for f in offered if f.name not in params] == []
+    assert {f.name for f in fields(ConvertRequest)} - {f.name for f in offered} == {"version"}  # the format's
+    assert all(params[f.name].help == f.metadata["help"] for f in offered)
+    assert params["d"].opts == ["--modes"] and params["gates"].opts == ["--no-gates"]
+    assert params["compensate"].secondary_opts == ["--no-compensate"]
+    assert list(params["allocation"].type.choices) == list(ConvertRequest.__dataclass_fields__["allocation"]
+                                                          .metadata["choices"])
 
 
 def test_every_training_option_is_a_flag_of_comera_train():

@@ -12,6 +12,7 @@ import comera_convert
 from comera_convert import CodebookEmbedding, TiedTTHead, TTEmbedding
 from comera_convert.codebook import CodebookSpec, dense_from_codes, kmeans, product_quantize
 from comera_convert.conversion import ConvertOptions, count_params
+from comera_convert.conversion.plan import word_table
 from comera_convert.errors import ConfigError, ModelLoadError, ShapeError
 
 from .tiny_models import build, outputs
@@ -120,11 +121,12 @@ def test_bad_token_ids_are_refused():
 
 
 def test_options_choose_the_codebook_with_a_ratio_and_check_it():
-    assert ConvertOptions(ratio=4).word_embedding == "codebook"
-    assert ConvertOptions(ratio=1.5).word_embedding == "codebook"
-    assert ConvertOptions(rank=8).word_embedding == "tt"
-    assert ConvertOptions(ratio=4, allocation="measured").word_embedding == "tt"
-    assert ConvertOptions(ratio=4, allocation="learned").word_embedding == "codebook"
+    assert word_table(ConvertOptions(ratio=4))[0] == "codebook"
+    assert word_table(ConvertOptions(ratio=1.5))[0] == "codebook"
+    assert word_table(ConvertOptions(rank=8))[0] == "tt"
+    assert word_table(ConvertOptions(ratio=4, allocation="measured"))[0] == "tt"
+    assert word_table(ConvertOptions(ratio=4, allocation="learned"))[0] == "codebook"
+    assert word_table(ConvertOptions(ratio=4, word_embedding="tt")) == ("tt", "given")
     with pytest.raises(ConfigError, match="word_embedding in"):
         ConvertOptions(word_embedding="pq")
     with pytest.raises(ConfigError, match="the uniform and learned allocations, not 'sensitivity'"):

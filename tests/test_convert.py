@@ -236,7 +236,7 @@ def test_the_last_blocks_attention_output_stays_dense_within_the_ratio(family, k
 
 
 def test_rank_multiple_does_not_apply_to_the_sensitivity_ladder():
-    from comera_convert.conversion.options import ConvertOptions
+    from comera_convert.conversion import ConvertOptions
 
     with pytest.raises(ConfigError, match="climbs its own ladder"):
         ConvertOptions(ratio=4, calibration="python-stdlib", allocation="sensitivity", rank_multiple=8)

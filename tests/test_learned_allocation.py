@@ -1,13 +1,14 @@
 """The learned rank allocation: the soft-truncated layers it learns through, the exact budget, the
 conversion it feeds (in memory and streamed), rank scales given back, and bad input."""
 
+import dataclasses
 import pytest
 import torch
 from torch import nn
 
 import comera_convert
 from comera_convert.api import convert_checkpoint
-from comera_convert.conversion import ConvertOptions, count_params
+from comera_convert.conversion import ConvertOptions, count_params, plan
 from comera_convert.conversion.calibration import collect
 from comera_convert.conversion.converter import allocation_request
 from comera_convert.conversion.learned import SoftTruncated, breakeven_rank, learn_rank_scales
@@ -60,7 +61,7 @@ def _dense_and_statistics():
 
 def test_the_learned_ranks_keep_the_uniform_budget_and_leave_the_model_as_it_was():
     dense, statistics = _dense_and_statistics()
-    request = allocation_request(dense, ConvertOptions(ratio=3).for_model(dense))
+    request = allocation_request(dense, plan(ConvertOptions(ratio=3), dense))
     before = {name: value.clone() for name, value in dense.state_dict().items()}
     types = [type(m) for m in dense.modules()]
     layers = [c for c in request.candidates if c.kind == "linear" and c.name.startswith("encoder.")]
@@ -107,7 +108,7 @@ def test_a_streamed_learned_conversion_learns_first_and_then_streams(tmp_path):
     assert "allocate" in result.timings and report.extra["learning_steps"] == 5
     assert report.ratio == pytest.approx(12, rel=0.02)
     again = convert_checkpoint(str(dense), tmp_path / "again",
-                               options.replace(rank_scales=report.extra["rank_scales"]))
+                               dataclasses.replace(options, rank_scales=report.extra["rank_scales"]))
     assert again.report.modules == report.modules and "allocate" not in again.timings
     x = torch.randint(0, 1000, (2, 16))
     first, second = (cls.from_pretrained(tmp_path / out).eval() for out in ("tt", "again"))
@@ -132,7 +133,7 @@ def test_the_learned_allocation_refuses_what_it_cannot_use():
     with pytest.raises(ConfigError, match="found no linear layer to learn before the last block"):
         comera_convert.convert(build("bert"), ratio=1.2, calibration=statistics, allocation="learned",
                                targets=["encoder.layer.1.*"])
-    request = allocation_request(dense, ConvertOptions(ratio=3).for_model(dense))
+    request = allocation_request(dense, plan(ConvertOptions(ratio=3), dense))
     with pytest.raises(ValueError, match="at least two batches"):
         learn_allocation(request, [statistics.probe[:8]])
 

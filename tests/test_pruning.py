@@ -2,6 +2,7 @@
 replaces, the neurons it keeps, the budget it spends, checkpoints that load back equal, decompression,
 and the refusals."""
 
+import dataclasses
 import json
 import logging
 
@@ -13,6 +14,7 @@ from torch import nn
 
 import comera_convert
 from comera_convert import ConvertOptions
+from comera_convert.conversion.plan import ModelShape, plan_for
 from comera_convert.conversion.calibration import Calibration, collect
 from comera_convert.conversion.pruning import compensate_up, ffn_pairs, kept_neurons, prune_pair
 from comera_convert.conversion.storage import MIN_INTEGER_VALUES, integer_format, train_on_the_grid
@@ -135,7 +137,7 @@ def test_kept_neurons_match_the_two_low_rank_specs_budget():
     options = ConvertOptions(rank=8, d=1)
     from comera_convert.conversion.converter import layout_choice
 
-    choice = layout_choice(model, list(candidates.values()), options)
+    choice = layout_choice(model, list(candidates.values()), plan_for(options, ModelShape(1_000, None)))
     up_spec, down_spec = choice.spec(up, 8), choice.spec(down, 8)
     kept = kept_neurons(up, up_spec, down, down_spec)
     low_rank = num_params(up_spec) + num_params(down_spec) + 128  # up's bias is full width there
@@ -339,24 +341,29 @@ def test_a_covariance_rounding_left_indefinite_is_damped_before_it_is_inverted()
     assert torch.allclose(inverse @ (covariance + damping * torch.eye(4)), torch.eye(4), atol=1e-5)
 
 
+def _ffn(options: ConvertOptions) -> str:
+    return plan_for(options, ModelShape(params=22_713_216, cut=2.3)).ffn
+
+
 def test_by_default_a_calibrated_ratio_prunes_and_every_other_conversion_stays_low_rank():
-    assert ConvertOptions(ratio=4, calibration="english").ffn == "prune"
-    assert ConvertOptions(ratio=4).ffn == "low-rank"  # nothing to refit down on
-    assert ConvertOptions(rank=8, calibration="english").ffn == "low-rank"  # CoMERA's TT, for rank adaptation
-    assert ConvertOptions(ratio=4, calibration="english", allocation="learned").ffn == "low-rank"
-    assert ConvertOptions(ratio=4, calibration="english", d=2).ffn == "low-rank"
-    assert ConvertOptions(ratio=4, calibration="english", ffn="low-rank").ffn == "low-rank"
-    # comera convert names its default calibration after the options are made: the choice follows it.
-    assert ConvertOptions(ratio=4).replace(calibration="english").ffn == "prune"
-    assert ConvertOptions(ratio=4, calibration="english").replace(calibration=None).ffn == "low-rank"
-    assert ConvertOptions(ratio=4, calibration="english").chosen_by_default("ffn")
-    assert not ConvertOptions(ratio=4, calibration="english", ffn="prune").chosen_by_default("ffn")
+    assert _ffn(ConvertOptions(ratio=4, calibration="english")) == "prune"
+    assert _ffn(ConvertOptions(ratio=4)) == "low-rank"  # nothing to refit down on
+    assert _ffn(ConvertOptions(rank=8, calibration="english")) == "low-rank"  # CoMERA's TT, for rank adaptation
+    assert _ffn(ConvertOptions(ratio=4, calibration="english", allocation="learned")) == "low-rank"
+    assert _ffn(ConvertOptions(ratio=4, calibration="english", d=2)) == "low-rank"
+    assert _ffn(ConvertOptions(ratio=4, calibration="english", ffn="low-rank")) == "low-rank"
+    # comera convert names its default calibration after the request is made: the plan follows it.
+    assert _ffn(dataclasses.replace(ConvertOptions(ratio=4), calibration="english")) == "prune"
+    assert _ffn(dataclasses.replace(ConvertOptions(ratio=4, calibration="english"), calibration=None)) == "low-rank"
+    assert ConvertOptions(ratio=4, calibration="english").ffn is None  # left to the plan
+    planned = plan_for(ConvertOptions(ratio=4, calibration="english", ffn="prune"), ModelShape(1_000, 2.0))
+    assert planned.reasons["ffn"] == "given"
 
 
 def test_the_default_on_a_model_without_a_bert_family_pair_stays_low_rank_without_a_warning(caplog):
     model, stats = _calibrated("gpt2")
     options = ConvertOptions(ratio=1.5, calibration="english", reconstruct_steps=0)
-    assert options.ffn == "prune"
+    assert _ffn(options) == "prune"
     with caplog.at_level(logging.WARNING, logger="comera_convert"):
         comera_convert.convert(model, options, calibration=stats)
     assert "--ffn prune" not in caplog.text

@@ -1,6 +1,7 @@
 """The packaged recipes: each says what it is for, documents its keys, loads, and converts or trains a
 tiny model; a conversion recipe converts as the bare command does unless it says how it differs."""
 
+import dataclasses
 import json
 
 import pytest
@@ -8,7 +9,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from comera_convert.cli import main
-from comera_convert.conversion import ConvertOptions
+from comera_convert.conversion import ConvertOptions, plan
 from comera_convert.conversion.calibration import DEFAULT_CALIBRATION
 from comera_convert.errors import ConfigError
 from comera_convert.recipes import (convert_options, load_recipe, packaged_recipes, purpose, resolve_recipe,
@@ -57,7 +58,7 @@ def test_a_conversion_recipe_converts_as_the_bare_command_unless_it_says_why_not
         return  # the header says how and why it differs
     bare = convert_options(None, {"ratio": recipe.ratio})
     model = build("bert-mlm")
-    chosen = [options.replace(calibration=options.calibration or DEFAULT_CALIBRATION).for_model(model)
+    chosen = [plan(dataclasses.replace(options, calibration=options.calibration or DEFAULT_CALIBRATION), model)
               for options in (recipe, bare)]
     assert chosen[0].to_dict() == chosen[1].to_dict()
 

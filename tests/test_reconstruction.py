@@ -9,6 +9,7 @@ import torch
 import comera_convert
 from comera_convert.api import convert_checkpoint
 from comera_convert.conversion import ConvertOptions
+from comera_convert.conversion.plan import ModelShape, plan_for
 from comera_convert.conversion.storage import integer_axes, integer_format, round_in_place
 from comera_convert.errors import ConfigError
 from comera_convert.pipeline.reconstruction import held_out_distance, reconstruct_block
@@ -120,27 +121,33 @@ def test_bad_reconstruction_options_are_refused(options, message):
         ConvertOptions(ratio=4, **options)
 
 
+def _planned(params=22_713_216, cut=2.3, **options):
+    """The plan for a model of ``params`` parameters whose layers the ratio cuts ``cut`` times (MiniLM at 4)."""
+    return plan_for(ConvertOptions(**options), ModelShape(params=params, cut=cut))
+
+
 def test_reconstruction_follows_the_cut_as_compensation_does():
-    assert ConvertOptions(ratio=4).reconstruct_steps == 300
-    assert ConvertOptions(ratio=2, layers_cut=1.05).reconstruct_steps == 300  # MiniLM at --ratio 2
-    assert ConvertOptions(ratio=1.9, layers_cut=0.99).reconstruct_steps == 0  # the layers need no cut
-    assert ConvertOptions(ratio=2, word_embedding="tt").reconstruct_steps == 0  # a TT table: from --ratio 3
-    assert ConvertOptions(rank=8).reconstruct_steps == 0
-    assert ConvertOptions(ratio=4, calibration_sequences=16).reconstruct_steps == 0  # too few to hold 16 out
-    assert ConvertOptions(ratio=4, reconstruct_steps=0).reconstruct_steps == 0
+    assert _planned(ratio=4).reconstruct_steps == 300
+    assert _planned(ratio=2, cut=1.05).reconstruct_steps == 300  # MiniLM at --ratio 2
+    assert _planned(ratio=1.9, cut=0.99).reconstruct_steps == 0  # the layers need no cut
+    assert _planned(ratio=2, cut=2.0, word_embedding="tt").reconstruct_steps == 0  # a TT table: from --ratio 3
+    assert _planned(rank=8, cut=None).reconstruct_steps == 0
+    assert _planned(ratio=4, calibration_sequences=16).reconstruct_steps == 0  # too few to hold 16 out
+    assert _planned(ratio=4, reconstruct_steps=0).reconstruct_steps == 0
+    planned = _planned(ratio=4)
+    assert planned.reasons["reconstruct_steps"] == "where compensating" and planned.request.reconstruct_steps is None
 
 
 def test_calibration_sequences_follow_the_model_size_where_compensating():
-    compensating = ConvertOptions(ratio=4)
-    assert compensating.calibration_sequences is None
-    assert compensating.sequences_for(22_713_216) == 512  # MiniLM
-    assert compensating.sequences_for(109_482_240) == 144  # bert-base's shape
-    assert compensating.sequences_for(1_100_000_000) == 128  # a 1.1 B Llama: never below the default
-    assert compensating.sequences_for(1_000) == 512  # a tiny model: never above the cap
+    assert ConvertOptions(ratio=4).calibration_sequences is None  # the request leaves it to the plan
+    assert _planned(ratio=4).calibration_sequences == 512  # MiniLM
+    assert _planned(109_482_240, 3.4, ratio=4).calibration_sequences == 144  # bert-base's shape
+    assert _planned(1_100_000_000, ratio=4).calibration_sequences == 128  # a 1.1 B Llama: never below the default
+    assert _planned(1_000, ratio=4).calibration_sequences == 512  # a tiny model: never above the cap
     # MiniLM at --ratio 1.9: the codebook table alone reaches it, the layers need no cut, no compensation
-    assert ConvertOptions(ratio=1.9, layers_cut=0.99).sequences_for(22_713_216) == 128
-    assert ConvertOptions(ratio=4, compensate=False).sequences_for(22_713_216) == 128
-    assert ConvertOptions(ratio=4, calibration_sequences=64).sequences_for(22_713_216) == 64  # as asked
+    assert _planned(ratio=1.9, cut=0.99).calibration_sequences == 128
+    assert _planned(ratio=4, compensate=False).calibration_sequences == 128
+    assert _planned(ratio=4, calibration_sequences=64).calibration_sequences == 64  # as asked
     with pytest.raises(ConfigError, match="calibration_sequences as a positive integer"):
         ConvertOptions(ratio=4, calibration_sequences=0)
 

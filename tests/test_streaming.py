@@ -206,7 +206,7 @@ def test_a_compensating_streamed_conversion_equals_compensating_on_the_whole_mod
     assert result.report.extra["streamed"]
     reference, teacher = (cls.from_pretrained(dense).eval() for _ in range(2))
     statistics = comera_convert.calibrate(reference, tokenizer, "english", sequences=64, seq_len=32)
-    candidates = find_candidates(reference, None, None, options.d)[0]
+    candidates = find_candidates(reference, None, None, comera_convert.plan(options, reference).d)[0]
     batches = plan_calibration(reference, candidates, tokenizer, "english", 64, 32).batches
     blocks = find_blocks(reference)
 

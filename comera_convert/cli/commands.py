@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
 
 import click
 
-from ..choices import ALLOCATIONS, EXPORT_FORMATS, FFN_METHODS, INT8_ARCHES, WORD_EMBEDDINGS
+from ..choices import EXPORT_FORMATS, INT8_ARCHES
 from ..errors import ConfigError
 from ..models import TASK_CLASSES
 from .group import ARGV_KEY, main
+from .request_options import patterns, request_options
 from .console import console, echo_json, progress_display
 
 
@@ -22,24 +24,6 @@ def command_line() -> str:
     return shlex.join(["comera", *click.get_current_context().meta.get(ARGV_KEY, [])])
 
 
-def _patterns(value: str | None):
-    return [p.strip() for p in value.split(",") if p.strip()] if value else None
-
-
-def _rank_scales(file: str) -> dict:
-    """The per-layer rank scales in ``file``: a JSON object of them, or a report recording learned ones."""
-    try:
-        data = json.loads(Path(file).read_text())
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"--rank-scales {file}: expected a JSON file ({err})") from None
-    if isinstance(data, dict) and isinstance(data.get("extra"), dict) and "modules" in data:  # a report
-        if "rank_scales" not in data["extra"]:
-            raise ConfigError(f"--rank-scales {file}: this report records no learned rank scales (the conversion "
-                              f"used the {data['extra'].get('allocation', 'uniform')} allocation)")
-        data = data["extra"]["rank_scales"]
-    return data
-
-
 def _default_out(model: str, ratio, rank) -> str:
     stem = Path(model.rstrip("/")).name or "model"
     return f"{stem}-tt{ratio:g}" if rank is None else f"{stem}-rank{rank}"
@@ -47,84 +31,9 @@ def _default_out(model: str, ratio, rank) -> str:
 
 @main.command()
 @click.argument("model")
-@click.option("--ratio", type=float, default=None, help="Shrink the whole model this many times [default: 4].")
-@click.option("--rank", type=int, default=None, help="A fixed max rank for every layer instead of --ratio.")
-@click.option("--layout", default=None, help="Layout of linear layers: tt (CoMERA) or ttm [default: tt].")
-@click.option("--embedding-layout", default=None,
-              help="Layout of embeddings: tt or ttm (CoMERA) [default: tt].")
-@click.option("--word-embedding", type=click.Choice(WORD_EMBEDDINGS), default=None,
-              help="The input embedding as a tt, or as a codebook table (one byte per 4 columns of a row, "
-                   "shared centres) whose savings go to the linears [default: codebook with --ratio, tt with --rank].")
-@click.option("--codebook-width", type=int, default=None, metavar="N",
-              help="Columns per slice of a codebook table: each row stores one byte per N columns; 8 halves "
-                   "the codes' bytes (what --ratio 8 --dtype int4 needs for 32x) [default: 4].")
-@click.option("--modes", "d", type=int, default=None,
-              help="Tensor modes per side, 1 (plain low-rank, a truncated SVD) to 4 [default: 1 with --ratio "
-                   "and a codebook table; with a tt table or ttm 3 below --ratio 3, 2 from 3, 1 from 4 (tt); "
-                   "3 with --rank].")
-@click.option("--targets", default=None, help="Comma-separated module-name patterns to convert.")
-@click.option("--exclude", default=None, help="Comma-separated module-name patterns to keep dense.")
-@click.option("--no-gates", is_flag=True, default=False, help="Leave out the rank gates (no rank adaptation).")
-@click.option("--calibration", default=None, metavar="DATA",
-              help="Data-aware init: minimize each layer's error on this text's activations "
-                   "(english, python-stdlib, english+python-stdlib, a file, folder, JSONL or dataset) "
-                   "[default: english+python-stdlib].")
-@click.option("--calibration-seq-len", type=int, default=None, metavar="N",
-              help="Tokens per calibration sequence [default: 128].")
+@request_options
 @click.option("--no-calibration", is_flag=True, default=False,
               help="Plain TT-SVD of the weights, no calibration text (keeps far less of the model).")
-@click.option("--calibration-sequences", type=int, default=None,
-              help="Calibration sequences [default: 128; where compensating, as many as the "
-                   "model's size allows, up to 512: MiniLM 512, a bert-base 144, 1 B parameters 128].")
-@click.option("--compensate/--no-compensate", default=None,
-              help="Fit each layer to the inputs the compressed layers before it produce, not to the dense "
-                   "model's (calibrating block by block) [default: where --ratio cuts the factorized layers at "
-                   "all: MiniLM from --ratio 1.92, a bert-base from 1.25].")
-@click.option("--reconstruct-steps", type=int, default=None, metavar="N",
-              help="Tune each block for N Adam steps to reproduce the dense block's outputs after the "
-                   "closed-form fit (block-wise reconstruction) [default: where compensating, given 32 calibration "
-                   "sequences, 300 or fewer for larger blocks: MiniLM 205 at --ratio 4, a bert-base 75; 0: off].")
-@click.option("--reconstruct-lr", type=float, default=None, metavar="LR",
-              help="The learning rate of block-wise reconstruction (a block that rejects its tuning is "
-                   "tuned once more at 0.3 of it) [default: 1e-3].")
-@click.option("--allocation", type=click.Choice(ALLOCATIONS), default=None,
-              help="One shared rank (uniform); the block stack's ranks learned end to end on the calibration "
-                   "text before converting (learned); per-kind rank scales searched on it (measured); or "
-                   "per-layer ranks from error estimates (sensitivity) [default: uniform].")
-@click.option("--ffn", type=click.Choice(FFN_METHODS), default=None,
-              help="Each block's feed-forward pair as two low-rank layers, or with whole hidden neurons pruned "
-                   "for the same parameters and its second layer refit on the calibration text (BERT-family "
-                   "encoders) [default: prune where calibrated with a --ratio and the uniform allocation, "
-                   "low-rank elsewhere].")
-@click.option("--learning-steps", type=int, default=None, metavar="N",
-              help="Adam steps of --allocation learned [default: by the model's size: MiniLM 100, "
-                   "a bert-base 40].")
-@click.option("--rank-scales", type=click.Path(exists=True, dir_okay=False), default=None, metavar="FILE",
-              help="--allocation learned: the per-layer rank scales to use instead of learning them, a JSON "
-                   "object of layer name -> multiple of the shared rank, or a checkpoint's comera_report.json "
-                   "(its learned scales).")
-@click.option("--embedding-rank-scale", type=float, default=None, metavar="X",
-              help="The word embedding's ranks are X times the shared rank (the uniform allocation) "
-                   "[default: 1.5].")
-@click.option("--last-block-rank-scale", type=float, default=None, metavar="X",
-              help="The last repeated block's layers get X times the shared rank (the uniform allocation; "
-                   "a fixed --rank and the experimental allocations do not read it); 1: one shared rank "
-                   "[default: 2].")
-@click.option("--keep-last-attention-output/--factorize-last-attention-output", default=None,
-              help="Keep the last repeated block's attention output projection dense (the uniform "
-                   "allocation) [default: keep].")
-@click.option("--rank-multiple", type=int, default=None,
-              help="Round the ranks --ratio chooses down to multiples of this; 8 for faster bf16 on GPUs "
-                   "[default: 1].")
-@click.option("--dtype", default=None, metavar="DTYPE",
-              help="Store the checkpoint in float32, bfloat16 or float16, or its factors as int8 (a scale per "
-                   "channel) or int4 (a scale per group) [default: the source's].")
-@click.option("--group-size", type=int, default=None, metavar="N",
-              help="Integer storage: a scale per N values of a channel (N must divide every width) "
-                   "[default: int8 per channel, int4 128].")
-@click.option("--device", default=None, metavar="DEVICE",
-              help="Run the decompositions on DEVICE (cuda, cuda:1); reading and writing stay on the host "
-                   "[default: where the weights are].")
 @click.option("--recipe", default=None, metavar="NAME|FILE",
               help="A conversion recipe: a packaged one by name (`comera recipes`) or a YAML file; options "
                    "given here override it.")
@@ -135,32 +44,16 @@ def _default_out(model: str, ratio, rank) -> str:
 @click.option("--max-shard-size", default=None, metavar="SIZE",
               help="Split the weights into files of at most SIZE (e.g. 2GB), with an index [default: 50GB].")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of tables.")
-def convert(model, ratio, rank, layout, embedding_layout, word_embedding, codebook_width, d, targets, exclude,
-            no_gates, calibration, calibration_seq_len, no_calibration, calibration_sequences, compensate,
-            reconstruct_steps, reconstruct_lr, allocation, ffn, learning_steps, rank_scales, embedding_rank_scale,
-            last_block_rank_scale, keep_last_attention_output, rank_multiple, dtype, group_size, device, recipe,
-            task, out, overwrite, max_shard_size, as_json):
+def convert(model, no_calibration, recipe, task, out, overwrite, max_shard_size, as_json, **given):
     """Convert MODEL (directory, hub id or alias such as minilm, bert-base) to a TT checkpoint."""
     from ..recipes import convert_options
     from ..api import convert_checkpoint
 
-    overrides = {"ratio": ratio, "rank": rank, "layout": layout, "embedding_layout": embedding_layout,
-                 "word_embedding": word_embedding, "codebook_width": codebook_width, "d": d,
-                 "targets": _patterns(targets), "exclude": _patterns(exclude),
-                 "gates": False if no_gates else None, "calibration": calibration,
-                 "calibration_sequences": calibration_sequences, "calibration_seq_len": calibration_seq_len,
-                 "allocation": allocation, "ffn": ffn, "learning_steps": learning_steps,
-                 "rank_scales": _rank_scales(rank_scales) if rank_scales else None,
-                 "embedding_rank_scale": embedding_rank_scale,
-                 "compensate": compensate, "reconstruct_steps": reconstruct_steps, "reconstruct_lr": reconstruct_lr,
-                 "last_block_rank_scale": last_block_rank_scale,
-                 "keep_last_attention_output": keep_last_attention_output, "rank_multiple": rank_multiple,
-                 "dtype": dtype, "group_size": group_size, "device": device}
-    options = convert_options(recipe, overrides)
+    options = convert_options(recipe, given)
     if no_calibration:
-        if calibration:
+        if given["calibration"]:
             raise ConfigError("give --calibration DATA or --no-calibration, not both")
-        options = options.replace(calibration=None)
+        options = dataclasses.replace(options, calibration=None)
     out = out or _default_out(model, options.ratio, options.rank)
     from ..conversion.calibration import DEFAULT_CALIBRATION
 
@@ -207,7 +100,7 @@ def report(models, compare, by_module, as_json):
     if as_json:
         echo_json([i.to_dict() for i in infos] if len(infos) > 1 else infos[0].to_dict())
         return
-    from .render import compare_table, modules_table, totals_table
+    from .render import compare_table, modules_table, plan_table, totals_table
 
     out = console()
     if compare or len(infos) > 1:
@@ -219,6 +112,9 @@ def report(models, compare, by_module, as_json):
         return
     out.print(modules_table(info.report, out.width, by_block=not by_module))
     out.print(totals_table(info.report, info.disk_bytes))
+    planned = plan_table(info.report, out.width)
+    if planned is not None:
+        out.print(planned)
 
 
 @main.command(name="recipes")
@@ -287,7 +183,7 @@ def evaluate(model, reference, data, pair_files, texts, seq_len, baselines, json
 
     with progress_display() as progress:
         metrics = run_eval(model, reference, data=list(data), texts=texts, seq_len=seq_len, baselines=baselines,
-                           progress=progress, pairs=list(pair_files), dense=_patterns(dense_patterns))
+                           progress=progress, pairs=list(pair_files), dense=patterns(dense_patterns))
     restored = metrics.get("restored_dense")
     if not restored:  # an ablation is not the checkpoint's score
         record_in_report(resolve(model), metrics)

@@ -238,6 +238,23 @@ def _fidelity_rows(infos) -> dict[str, list[str]]:
     return rows
 
 
+def plan_table(report, width: int) -> RenderableType | None:
+    """The conversion's plan: each option the request left open, what was chosen and why (None for a
+    checkpoint whose report records no plan)."""
+    planned = (report.extra or {}).get("plan")
+    if not planned:
+        return None
+    rows = [[name, _plain(choice["value"]), choice["reason"]] for name, choice in planned.items()]
+    return fitted("plan: the options derived for this model", [("option", "left"), ("chosen", "right"),
+                                                               ("why", "left")], rows, width)
+
+
+def _plain(value) -> str:
+    if isinstance(value, float):
+        return "inf" if value == float("inf") else f"{value:.3g}"
+    return "-" if value is None else str(value)
+
+
 EVAL_COLUMNS = {  # metric key -> column title, in the order shown
     "mean_cosine": "mean cos", "min_cosine": "min cos", "nn_agreement": "NN agree",
     "recall_at_1": "R@1", "dense_recall_at_1": "dense R@1", "recall_kept": "R@1 kept",

@@ -4,7 +4,7 @@ targets      find candidate modules (generic walk; tied heads; patterns)
 allocate     per-layer ranks meeting a whole-model ratio
 strategies   the allocation strategies (uniform; experimental/ holds the opt-in studies)
 calibration  input statistics for data-aware conversion (calibrate)
-options      ConvertOptions, validated (what recipes hold)
+plan         plan(request, model): every default derived once, with its reason
 records      module records <-> TT modules (shared by convert, save and load)
 converter    convert_modules(): the in-place swap
 report       ConversionReport
@@ -16,8 +16,9 @@ result a transformers model that saves and loads compressed (hf/).
 from .calibration import Calibration, calibrate
 from .converter import convert_modules
 from .model_facts import count_params
-from .options import ConvertOptions
+from ..request import ConvertOptions, ConvertRequest
+from .plan import ConvertPlan, plan
 from .report import ConversionReport, ModuleRow
 
-__all__ = ["Calibration", "ConversionReport", "ConvertOptions", "ModuleRow", "calibrate", "convert_modules",
-           "count_params"]
+__all__ = ["Calibration", "ConversionReport", "ConvertOptions", "ConvertPlan", "ConvertRequest", "ModuleRow",
+           "calibrate", "convert_modules", "count_params", "plan"]

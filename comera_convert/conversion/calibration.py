@@ -20,6 +20,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from ..request import CALIBRATION_BATCH
 from ..errors import ConfigError
 from ..tt import weighted
 from .targets import Candidate
@@ -33,7 +34,7 @@ DEFAULT_CALIBRATION = "english+python-stdlib"
 DEFAULT_SEQUENCES = 128  # a few hundred sequences is what activation-aware SVD methods use
 DEFAULT_SEQ_LEN = 128
 PROBE_SEQUENCES = 32  # enough for a stable mean cosine, few enough for one quick forward
-BATCH = 16
+BATCH = CALIBRATION_BATCH  # sequences per pass (the request's: reconstruction holds the last one out)
 # The option that names the calibration text, in the messages of a source that cannot be read.
 CALIBRATION_OPTION = "--calibration"
 # Token frequencies come from up to this many tokens of the calibration text (all of python-stdlib,

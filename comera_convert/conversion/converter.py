@@ -21,7 +21,7 @@ from ..layers.tt_linear import dense_weight_of
 from ..tt.decompose import matrix_to_cores
 from .allocate import LayoutChoice
 from .calibration import Calibration, correct_bias, weighted_decomposer
-from .options import ConvertOptions
+from .plan import ConvertPlan
 from .pruning import compensate_up, ffn_pairs, kept_multiple, kept_neurons, prune_pair
 from .records import tie_head
 from .report import ConversionReport, describe
@@ -33,7 +33,7 @@ from .targets import find_candidates
 logger = logging.getLogger("comera_convert")
 
 
-def convert_modules(model: nn.Module, options: ConvertOptions, calibration: Calibration | None = None,
+def convert_modules(model: nn.Module, options: ConvertPlan, calibration: Calibration | None = None,
                     progress: Callable[[str, int, int], None] | None = None, source: str | None = None,
                     load: Callable[[str], None] | None = None,
                     release: Callable[[str], None] | None = None) -> ConversionReport:
@@ -64,7 +64,7 @@ def convert_modules(model: nn.Module, options: ConvertOptions, calibration: Cali
             skipped[candidate.name] = (f"TT at rank {allocation.shared_rank} would not be smaller"
                                        if allocation.shared_rank
                                        else f"kept dense by the {options.allocation} allocation")
-    if options.ffn == "prune" and not options.chosen_by_default("ffn") and not ffn_pairs(candidates, allocation.specs):
+    if options.request.ffn == "prune" and not ffn_pairs(candidates, allocation.specs):
         logger.warning("--ffn prune found no feed-forward pair to prune (a BERT-family block's intermediate.dense "
                        "-> output.dense, both compressed): the feed-forward layers are low-rank")
     swap_in(model, candidates, allocation.specs, options, calibration, progress, load=load, release=release)
@@ -79,7 +79,7 @@ def convert_modules(model: nn.Module, options: ConvertOptions, calibration: Cali
     return report
 
 
-def _check_convertible(model: nn.Module, options: ConvertOptions, calibration: Calibration | None) -> None:
+def _check_convertible(model: nn.Module, options: ConvertPlan, calibration: Calibration | None) -> None:
     if options.calibration is not None and calibration is None:
         raise ConfigError(f"calibration {options.calibration!r} was requested but no statistics were given: "
                           f"pass calibration=calibrate(model, tokenizer, {options.calibration!r})")
@@ -98,7 +98,7 @@ def _tie_heads(model: nn.Module, tied, converted: set[str], skipped: dict) -> No
                                     "bias": getattr(head.module, "bias", None) is not None})
 
 
-def codebook_tables(model: nn.Module, candidates, options: ConvertOptions) -> frozenset[str]:
+def codebook_tables(model: nn.Module, candidates, options: ConvertPlan) -> frozenset[str]:
     """The candidates held as codebook tables: the input embedding when options ask for one. A head
     tied to it (BERT's MLM decoder, GPT-2's lm_head) multiplies by the same dequantized rows
     (``TiedTTHead``), so tied tables are codebooks too."""
@@ -120,7 +120,7 @@ def _allocate(model, candidates, params_before, options, choice, calibration, pr
     return STRATEGIES[options.allocation](request)
 
 
-def allocation_request(model: nn.Module, options: ConvertOptions) -> AllocationRequest:
+def allocation_request(model: nn.Module, options: ConvertPlan) -> AllocationRequest:
     """What a strategy splits the budget of ``options`` over for ``model``, as ``convert_modules`` asks
     (without calibration: for learning an allocation before a streamed conversion)."""
     candidates = find_candidates(model, options.targets, options.exclude, options.d)[0]
@@ -128,7 +128,7 @@ def allocation_request(model: nn.Module, options: ConvertOptions) -> AllocationR
                              None, swap_in=None)
 
 
-def layout_choice(model: nn.Module, candidates, options: ConvertOptions) -> LayoutChoice:
+def layout_choice(model: nn.Module, candidates, options: ConvertPlan) -> LayoutChoice:
     """How ``options`` lay the candidates out (layouts, modes, gates, rank multiple, codebook tables)."""
     return LayoutChoice(options.layout, options.embedding_layout, options.d, options.gates, options.rank_multiple,
                         codebook_tables(model, candidates, options), options.codebook_width)
@@ -142,7 +142,7 @@ def on_device(decompose, device: str):
     return decompose_there
 
 
-def swap_in(model: nn.Module, candidates, specs, options: ConvertOptions, calibration: Calibration | None = None,
+def swap_in(model: nn.Module, candidates, specs, options: ConvertPlan, calibration: Calibration | None = None,
             progress: Callable[[str, int, int], None] | None = None,
             load: Callable[[str], None] | None = None, release: Callable[[str], None] | None = None) -> None:
     """Replace each candidate that has a spec by its TT module (``_tt_module``) or codebook table
@@ -192,7 +192,7 @@ def _put_in_place(model: nn.Module, candidate, new: nn.Module, load, release) ->
         release(candidate.name)
 
 
-def _tt_module(candidate, spec, options: ConvertOptions, calibration: Calibration | None) -> TTModule:
+def _tt_module(candidate, spec, options: ConvertPlan, calibration: Calibration | None) -> TTModule:
     """The candidate's TT module at ``spec``, decomposed from its weights (by the calibration's
     weighted decomposition when there is one; on ``options.device`` when given)."""
     kwargs = dict(rank=spec.ranks, layout=spec.layout, d=options.d, gates=options.gates)
@@ -214,7 +214,7 @@ def _tt_module(candidate, spec, options: ConvertOptions, calibration: Calibratio
     return new
 
 
-def _round_for_storage(module: nn.Module, options: ConvertOptions, name: str) -> None:
+def _round_for_storage(module: nn.Module, options: ConvertPlan, name: str) -> None:
     """With integer storage, the new module's factors rounded now (``round_in_place``): the bias
     correction and the layers compensated after it see what the checkpoint will hold."""
     fmt = integer_storage(options.dtype, options.group_size)

@@ -1,4 +1,4 @@
-"""Feed-forward pairs pruned by hidden neuron (``ConvertOptions.ffn == "prune"``).
+"""Feed-forward pairs pruned by hidden neuron (``--ffn prune``, the plan's default where calibrated).
 
 Where the allocation gives a block's feed-forward pair (up: hidden x in, down: out x hidden, an
 elementwise activation between) low-rank specs, the pair can spend the same parameters on keeping

@@ -6,7 +6,7 @@ only 2.3x; a 768-wide encoder (bert-base's shape) keeps a fifth in its table, so
 other layers shrink 3.4x, and at --ratio 2 1.6x, as hard as MiniLM's at --ratio 3. Error
 compensation and block reconstruction were chosen on MiniLM by ratio; with a codebook table they
 follow this cut instead, so that a model gets the conversion measured where its layers are cut as
-hard (``ConvertOptions.for_model``).
+hard (``plan.py``).
 
     layers_cut = dense weights of the factorized layers / what the ratio's budget leaves them
 

@@ -19,11 +19,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..choices import FLOAT_STORAGE, INTEGER_STORAGE as INTEGER_BITS
 from ..errors import ConfigError, expected
 from ..integer import IntegerFormat, dequantize, quantize
 
-STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-INTEGER_BITS = {"int8": 8, "int4": 4}
+STORAGE_DTYPES = {name: getattr(torch, name) for name in FLOAT_STORAGE}
 # int4 keeps a scale per this many values of a channel: finer groups round closer and cost more
 # scale bytes (2 bytes per group: 1/64 bit per value at 128). 128 is GPTQ's and AWQ's default and
 # divides every width of BERT, GPT-2 and Llama (768, 2304, 3072, 4096, 11008).
@@ -39,16 +39,6 @@ def storage_dtype(name: str) -> torch.dtype:
         raise ConfigError(f"--dtype {name!r} is not a storage dtype "
                           f"(expected one of {', '.join([*STORAGE_DTYPES, *INTEGER_BITS])})")
     return STORAGE_DTYPES[name]
-
-
-def check_storage(name: str, group_size: int | None) -> None:
-    """Refuse a ``--dtype`` that is none of the names, or a group size without an integer dtype."""
-    if name in INTEGER_BITS:
-        integer_format(name, group_size)
-        return
-    storage_dtype(name)
-    if group_size is not None:
-        raise ConfigError(f"--group-size applies to integer storage (--dtype int8 or int4), not --dtype {name}")
 
 
 def integer_format(name: str, group_size: int | None = None, clip_search: bool = True) -> IntegerFormat:

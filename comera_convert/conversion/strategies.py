@@ -21,7 +21,7 @@ from ..errors import ConfigError
 from .allocate import LayoutChoice, allocate_ranks
 from .calibration import Calibration
 from .learned import LearnedRanks
-from .options import ConvertOptions
+from .plan import ConvertPlan
 from .targets import Candidate, attention_output_in, find_blocks, last_block_prefix
 
 
@@ -30,7 +30,7 @@ class AllocationRequest:
     model: nn.Module
     candidates: list[Candidate]
     params_before: int
-    options: ConvertOptions
+    options: ConvertPlan
     choice: LayoutChoice
     calibration: Calibration | None
     # Converts a copy with trial specs (strategies that measure conversions end to end).
@@ -144,7 +144,7 @@ def learn_allocation(request: AllocationRequest, batches: list) -> LearnedRanks:
     shared_rank = allocate_ranks(request.candidates, request.params_before, request.options.ratio, request.choice,
                                  plan.scale)[1]
     return learn_rank_scales(request.model, layers, {c.name: plan.rank_scale(c) for c in layers}, shared_rank, batches,
-                             steps=request.options.learning_steps_for(request.params_before))
+                             steps=request.options.learning_steps)
 
 
 def probe_batches(calibration: Calibration) -> list:

@@ -17,7 +17,7 @@ share of dense recall@1 kept rose from 0.49-0.62 to 0.72-0.74 on three natural-l
 two of which the calibration never read, and from 0.38 to 0.52 on code. With block
 reconstruction it also gains where the factorized layers are cut least (MiniLM at --ratio 2 and
 2.5), so it is on by default wherever the ratio cuts them at all (MiniLM from --ratio 1.92;
-``ConvertOptions``, ``conversion/regime.py``).
+``conversion/plan.py``, ``conversion/regime.py``).
 """
 
 from __future__ import annotations

@@ -9,14 +9,15 @@ it) and assembles the checkpoint; ``convert_model`` is the in-memory conversion 
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from torch import nn
 
-from ..conversion import Calibration, ConversionReport, ConvertOptions, convert_modules
+from ..conversion import Calibration, ConversionReport, ConvertPlan, ConvertRequest, convert_modules, plan
+from ..conversion.plan import finite_cut
 from ..conversion.report import lineage
 from ..conversion.storage import integer_storage, round_in_place, storage_record
 from ..hf.compat import untie_converted_heads
@@ -28,18 +29,18 @@ from ..progress import Progress, no_progress
 from .sources import open_source, streams
 
 
-def convert_model(model: nn.Module, options: ConvertOptions, *, calibration: Calibration | None = None,
+def convert_model(model: nn.Module, options: ConvertPlan, *, calibration: Calibration | None = None,
                   source: str | None = None, progress=None, load=None, release=None) -> ConversionReport:
-    """Convert ``model`` in place with validated ``options`` (``comera_convert.convert`` is the public
-    verb): the in-place swap (``conversion``), the heads untied from converted tables, integer
+    """Convert ``model`` in place as ``options`` (the request's plan for it) say (``comera_convert.convert``
+    is the public verb): the in-place swap (``conversion``), the heads untied from converted tables, integer
     rounding of what is left dense, and the marks that make it save and load as a compressed model.
     ``load(name)`` gives a module its weights just before it is decomposed and ``release(name)`` takes
     its TT module once in place (the streamed stages pass both)."""
-    options = options.for_model(model)
     report = convert_modules(model, options, calibration=calibration, progress=progress, source=source, load=load,
                              release=release)
-    if options.cut is not None and math.isfinite(options.cut):
-        report.extra["layers_cut"] = round(options.cut, 3)
+    report.extra["plan"] = options.describe()
+    if finite_cut(options) is not None:
+        report.extra["layers_cut"] = finite_cut(options)
     untie_converted_heads(model)
     fmt = integer_storage(options.dtype, options.group_size)
     if fmt is not None:  # the layers left dense too: in memory the model is what its checkpoint holds
@@ -51,7 +52,7 @@ def convert_model(model: nn.Module, options: ConvertOptions, *, calibration: Cal
     return report
 
 
-def storage_name(options: ConvertOptions) -> str | None:
+def storage_name(options: ConvertPlan) -> str | None:
     """How an integer-stored checkpoint's report names its storage ("int4, groups of 128"), or None."""
     fmt = integer_storage(options.dtype, options.group_size)
     if fmt is None:
@@ -70,7 +71,7 @@ class ConversionResult:
     notes: list[str] = field(default_factory=list)  # what the user should know (a skipped default)
 
 
-def convert_checkpoint(model_name: str, out, options: ConvertOptions, *, task=None, overwrite=False,
+def convert_checkpoint(model_name: str, out, request: ConvertRequest, *, task=None, overwrite=False,
                        progress: Progress | None = None, default_calibration: str | None = None,
                        command: str | None = None, max_shard_size: int | str | None = None) -> ConversionResult:
     """The streamed conversion, its stages in order: open the source (on the meta device where it
@@ -91,14 +92,14 @@ def convert_checkpoint(model_name: str, out, options: ConvertOptions, *, task=No
     out = check_output_dir(out, overwrite)  # fail before the slow part
     path, task, notes = _checked_source(model_name, task)
     clock = Stopwatch()
-    options, tokenizer = _with_default_calibration(model_name, path, options, default_calibration, notes)
+    request, tokenizer = _with_default_calibration(model_name, path, request, default_calibration, notes)
     progress(f"loading {model_name}")
-    _check_room(out, path, options)
+    _check_room(out, path, request)
     learning = None
-    if options.allocation == "learned" and options.rank_scales is None:
-        options, learning = _learn_allocation(model_name, path, options, task, tokenizer, progress)
+    if request.allocation == "learned" and request.rank_scales is None:
+        request, learning = _learn_allocation(model_name, path, request, task, tokenizer, progress)
         clock.lap("allocate")  # the dense model loaded whole, the text read, the ranks learned
-    source, options = open_source(model_name, path, options, task, tokenizer, notes, progress)
+    source, options = open_source(model_name, path, request, task, tokenizer, notes, progress)
     clock.lap("load")
     calibration = source.calibration(options, tokenizer, progress)
     clock.lap("calibrate")
@@ -145,21 +146,21 @@ def _checked_source(model_name: str, task) -> tuple[str, str | None, list[str]]:
                         f"keeps a head)"]
 
 
-def _with_default_calibration(model_name: str, path: str, options: ConvertOptions, default: str | None,
+def _with_default_calibration(model_name: str, path: str, request: ConvertRequest, default: str | None,
                               notes: list[str]):
-    """(options, tokenizer or None): ``default`` as the calibration data where the options name none and the
+    """(request, tokenizer or None): ``default`` as the calibration data where the request names none and the
     model has a tokenizer; without one, a note that it converts by plain TT-SVD."""
-    if options.calibration is not None or default is None:
-        return options, None
+    if request.calibration is not None or default is None:
+        return request, None
     tokenizer = _tokenizer_or_none(path)
     if tokenizer is None:
         notes.append(f"{model_name} has no tokenizer files, so it was converted without calibration "
                      f"(plain TT-SVD); copy its tokenizer in for a data-aware conversion")
-        return options, None
-    return options.replace(calibration=default), tokenizer
+        return request, None
+    return dataclasses.replace(request, calibration=default), tokenizer
 
 
-def _convert(source, out, options: ConvertOptions, calibration, model_name: str, notes: list[str],
+def _convert(source, out, options: ConvertPlan, calibration, model_name: str, notes: list[str],
              progress) -> ConversionReport:
     """The modules converted as the source hands them over, and the model left as its checkpoint stores it."""
     source.begin(out, options)
@@ -171,7 +172,7 @@ def _convert(source, out, options: ConvertOptions, calibration, model_name: str,
     return report
 
 
-def _record(report: ConversionReport, source, options: ConvertOptions, learning, command: str | None) -> None:
+def _record(report: ConversionReport, source, options: ConvertPlan, learning, command: str | None) -> None:
     """What the report keeps of how the checkpoint was made."""
     dtype = str(next(source.model.parameters()).dtype).removeprefix("torch.")
     report.extra["storage_dtype"] = storage_name(options) or dtype
@@ -181,8 +182,8 @@ def _record(report: ConversionReport, source, options: ConvertOptions, learning,
     report.extra.update(lineage(None, command))
 
 
-def _learn_allocation(model_name: str, path: str, options: ConvertOptions, task, tokenizer, progress):
-    """(options with the learned ``rank_scales``, the learning): the dense model loaded whole and the
+def _learn_allocation(model_name: str, path: str, request: ConvertRequest, task, tokenizer, progress):
+    """(the request with the learned ``rank_scales``, the learning): the dense model loaded whole and the
     learned allocation's ranks learned on ``LEARNING_SEQUENCES`` of the calibration text, before the
     conversion streams with them."""
     import torch
@@ -194,30 +195,30 @@ def _learn_allocation(model_name: str, path: str, options: ConvertOptions, task,
     from ..errors import ConfigError
     from ..models import load_tokenizer
 
-    if not options.calibration:
+    if not request.calibration:
         raise ConfigError("allocation 'learned' learns the ranks on calibration text: give --calibration DATA "
                           "(without --no-calibration), or rank_scales learned before")
-    progress(f"learning the rank allocation on {options.calibration}")
+    progress(f"learning the rank allocation on {request.calibration}")
     model, _ = load_model(path, task=task)
-    request = allocation_request(model, options.for_model(model))
+    budget = allocation_request(model, plan(request, model))
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path, "--allocation learned")
-    plan = plan_calibration(model, request.candidates, tokenizer, options.calibration, LEARNING_SEQUENCES,
-                            options.calibration_seq_len)
-    learning = learn_allocation(request, list(torch.cat(plan.batches).split(STEP_SEQUENCES)))
-    return options.replace(rank_scales=learning.scales), learning
+    text = plan_calibration(model, budget.candidates, tokenizer, request.calibration, LEARNING_SEQUENCES,
+                            request.calibration_seq_len)
+    learning = learn_allocation(budget, list(torch.cat(text.batches).split(STEP_SEQUENCES)))
+    return dataclasses.replace(request, rank_scales=learning.scales), learning
 
 
-def _check_room(out: Path, path: str, options: ConvertOptions) -> None:
+def _check_room(out: Path, path: str, request: ConvertRequest) -> None:
     """Refuse a conversion whose output the disk cannot hold, before the slow part: the source's
     weight bytes over the ratio (all of them for a fixed rank), twice over when streaming (the
     spool, then the checkpoint assembled from it)."""
     source = weight_bytes(path)
     if not source:
         return  # not a local folder: its size is not known before loading
-    spooled = streams(path, options)
-    estimate = source / options.ratio if options.ratio else source
+    spooled, ratio = streams(path, request), request.budget_ratio
+    estimate = source / ratio if ratio else source
     copies = 2 if spooled else 1
-    what = (f"{source / 1e9:.2f} GB of weights" + (f" / ratio {options.ratio:g}" if options.ratio else "")
+    what = (f"{source / 1e9:.2f} GB of weights" + (f" / ratio {ratio:g}" if ratio else "")
             + (", written twice: spooled as converted, then assembled" if spooled else ""))
     check_disk_space(out, int(estimate * copies), what)
 

@@ -19,8 +19,7 @@ import time
 
 from torch import nn
 
-from ..conversion import Calibration, ConvertOptions, calibrate
-from ..conversion.model_facts import count_params
+from ..conversion import Calibration, ConvertPlan, ConvertRequest, calibrate, plan
 from ..conversion.storage import cast_for_storage, integer_storage
 from ..hf.saving import weight_bytes
 from ..models import load_model, load_tokenizer
@@ -36,16 +35,16 @@ class WholeSource:
     def __init__(self, model: nn.Module, path: str):
         self.model, self.path = model, path
 
-    def calibration(self, options: ConvertOptions, tokenizer, progress) -> Calibration | None:
+    def calibration(self, options: ConvertPlan, tokenizer, progress) -> Calibration | None:
         """The statistics the conversion weights its decompositions by, None for a plain one."""
         if not options.calibration:
             return None
         progress(f"calibrating on {options.calibration}")
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.path, "--calibration")
-        return calibrate(self.model, tokenizer, options.calibration, options.sequences_for(count_params(self.model)),
+        return calibrate(self.model, tokenizer, options.calibration, options.calibration_sequences,
                          options.calibration_seq_len, options.targets, options.exclude, options.d)
 
-    def begin(self, out, options: ConvertOptions) -> None:
+    def begin(self, out, options: ConvertPlan) -> None:
         """Before the first module is converted."""
 
     def hooks(self):
@@ -53,7 +52,7 @@ class WholeSource:
         place; None where the weights are in memory already."""
         return None, None
 
-    def finish(self, report, options: ConvertOptions, notes: list[str]) -> None:
+    def finish(self, report, options: ConvertPlan, notes: list[str]) -> None:
         """After the last module: the model as its checkpoint stores it."""
         if options.reconstruct_steps and options.calibration:
             notes.append("block reconstruction runs in a calibrated conversion streamed block by block (a local "
@@ -82,13 +81,13 @@ class StreamedSource(WholeSource):
         super().__init__(model, path)
         self.streamed = streamed
 
-    def begin(self, out, options: ConvertOptions) -> None:
+    def begin(self, out, options: ConvertPlan) -> None:
         self.streamed.open_spool(out, options.dtype, integer_storage(options.dtype, options.group_size))
 
     def hooks(self):
         return self.streamed.loader(self.model), self.streamed.releaser(self.model)
 
-    def finish(self, report, options: ConvertOptions, notes: list[str]) -> None:
+    def finish(self, report, options: ConvertPlan, notes: list[str]) -> None:
         self.streamed.finish(self.model)
         report.extra["streamed"] = True
 
@@ -106,13 +105,13 @@ class SequentialSource(StreamedSource):
         super().__init__(model, path, streamed)
         self.sequential = sequential
 
-    def calibration(self, options: ConvertOptions, tokenizer, progress) -> Calibration:
+    def calibration(self, options: ConvertPlan, tokenizer, progress) -> Calibration:
         return self.sequential.stats  # filled block by block as the conversion reaches each block
 
     def hooks(self):
         return self.sequential.prepare, self.sequential.release
 
-    def finish(self, report, options: ConvertOptions, notes: list[str]) -> None:
+    def finish(self, report, options: ConvertPlan, notes: list[str]) -> None:
         self.sequential.finish()
         if self.sequential.fits:
             report.extra["reconstruction"] = [fit.to_dict() for fit in self.sequential.fits]
@@ -127,7 +126,7 @@ class SequentialSource(StreamedSource):
         return seconds
 
 
-def streams(path: str, options: ConvertOptions) -> bool:
+def streams(path: str, options: ConvertRequest) -> bool:
     """Whether this conversion streams: one of a local safetensors checkpoint whose allocation needs no
     model in memory (uniform, or learned with its scales known)."""
     from .streaming import streamable
@@ -136,16 +135,17 @@ def streams(path: str, options: ConvertOptions) -> bool:
     return known and streamable(path)
 
 
-def open_source(model_name: str, path: str, options: ConvertOptions, task, tokenizer, notes: list[str],
-                progress) -> tuple[WholeSource, ConvertOptions]:
-    """(the source, the options with their defaults chosen for the model's shape: ``for_model``). Streamed
-    where it can stream, sequential where it also calibrates; else loaded whole, with a note saying why."""
+def open_source(model_name: str, path: str, request: ConvertRequest, task, tokenizer, notes: list[str],
+                progress) -> tuple[WholeSource, ConvertPlan]:
+    """(the source, the request's plan for the source's model: on the meta device where it streams).
+    Streamed where it can stream, sequential where it also calibrates; else loaded whole, with a note saying
+    why."""
     from .streaming import Streamed
 
-    if streams(path, options):
+    if streams(path, request):
         streamed = Streamed(path)
         model = streamed.skeleton(task)
-        options = options.for_model(model)
+        options = plan(request, model)
         unstored = streamed.missing(model)
         if unstored:
             notes.append(f"{model_name} stores {unstored[0]} (and {len(unstored) - 1} more) under other names, "
@@ -161,7 +161,7 @@ def open_source(model_name: str, path: str, options: ConvertOptions, task, token
             notes.append(f"{model_name} has no stack of repeated blocks to calibrate one at a time: it was loaded "
                          f"whole{whole_load_memory(path)}")
     model, path = load_model(model_name, task=task)
-    return WholeSource(model, path), options.for_model(model)
+    return WholeSource(model, path), plan(request, model)
 
 
 def whole_load_memory(path: str) -> str:
@@ -169,7 +169,7 @@ def whole_load_memory(path: str) -> str:
     return f" (about {WHOLE_LOAD_MEMORY * source / 1e9:.1f} GB of memory)" if source else ""
 
 
-def _sequential_calibration(model, streamed, path, options: ConvertOptions, tokenizer=None):
+def _sequential_calibration(model, streamed, path, options: ConvertPlan, tokenizer=None):
     """A calibration run block by block as a streamed conversion reaches each block, or None where
     the model has no stack of blocks."""
     from ..conversion.calibration import plan_calibration
@@ -183,13 +183,13 @@ def _sequential_calibration(model, streamed, path, options: ConvertOptions, toke
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path, "--calibration")
     candidates = find_candidates(model, options.targets, options.exclude, options.d)[0]
     began = time.perf_counter()
-    plan = plan_calibration(model, candidates, tokenizer, options.calibration,
-                            options.sequences_for(count_params(model)), options.calibration_seq_len)
+    text = plan_calibration(model, candidates, tokenizer, options.calibration, options.calibration_sequences,
+                            options.calibration_seq_len)
     common = dict(reading_seconds=time.perf_counter() - began)
     if options.compensate or options.reconstruct_steps:  # reconstruction needs the compressed stream too
-        steps = options.reconstruct_steps_for(sum(p.numel() for p in model.get_submodule(blocks)[0].parameters()))
+        steps = options.reconstruct_steps
         reconstruct = (steps, options.reconstruct_lr) if steps else None
-        return CompensatingCalibration(model, streamed, plan, candidates, blocks, options.calibration,
+        return CompensatingCalibration(model, streamed, text, candidates, blocks, options.calibration,
                                        fit_to_compressed=options.compensate, reconstruct=reconstruct,
                                        grid=integer_storage(options.dtype, options.group_size), **common)
-    return SequentialCalibration(model, streamed, plan, candidates, blocks, options.calibration, **common)
+    return SequentialCalibration(model, streamed, text, candidates, blocks, options.calibration, **common)

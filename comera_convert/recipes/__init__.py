@@ -1,6 +1,6 @@
 """Recipes: YAML files of options (``comera convert --recipe NAME``, ``comera train --recipe NAME``).
 
-Every key is a field of ConvertOptions (``conversion/options.py``) or TrainOptions
+Every key is a field of ConvertRequest (``request.py``) or TrainOptions
 (``training/options.py``), which say what each means; command-line options override the recipe's.
 The recipes in this folder ship with the package: ``--recipe train-minilm-distill`` names one, as
 does any path ending in its file name; any other YAML file is read as given. Each recipe's first
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from ..conversion.options import ConvertOptions
+from ..request import ConvertRequest
 from ..errors import ConfigError
 from ..training.options import TrainOptions
 
@@ -64,12 +64,10 @@ def _merged(recipe: str | Path | None, overrides: dict) -> tuple[dict, str]:
     return data, f"recipe {recipe}" if recipe else "options"
 
 
-def convert_options(recipe: str | Path | None, overrides: dict) -> ConvertOptions:
-    """Options from a recipe (if any) with the given non-None overrides on top."""
+def convert_options(recipe: str | Path | None, overrides: dict) -> ConvertRequest:
+    """The request of a recipe (if any) with the given non-None overrides on top."""
     data, origin = _merged(recipe, overrides)
-    if data.get("rank") is not None and overrides.get("ratio") is None:
-        data["ratio"] = None  # a rank replaces the default ratio unless a ratio is given too
-    return ConvertOptions.from_dict(data, origin=origin)
+    return ConvertRequest.from_dict(data, origin=origin)
 
 
 def train_options(recipe: str | Path | None, overrides: dict) -> TrainOptions:

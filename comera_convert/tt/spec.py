@@ -17,10 +17,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..choices import LAYOUTS
 from ..errors import ShapeError, expected
 from .shapes import check_modes, plan_modes
 
-LAYOUTS = ("tt", "ttm")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,69 @@
+"""`comera convert`'s flags, generated from the request's fields (``request.py``): each field's help,
+choices, type and flag name are written once, on the field, so the CLI cannot drift from the library.
+
+Every flag defaults to None ("not given"), so that a recipe's value stands unless the flag overrides it;
+the "[default: ...]" in each help says what the plan or the request then chooses.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import Field
+from pathlib import Path
+
+import click
+
+from ..errors import ConfigError
+from ..request import request_fields
+
+
+def request_options(command):
+    """Decorate a click command with one option per request field, in the order of their concerns."""
+    for spec in reversed(request_fields()):
+        command = click.option(*_names(spec), **_settings(spec))(command)
+    return command
+
+
+def _names(spec: Field) -> tuple[str, str]:
+    """The flag's declaration and the parameter it fills: the field's name, whatever the flag is called."""
+    return spec.metadata.get("flag") or "--" + spec.name.replace("_", "-"), spec.name
+
+
+def _settings(spec: Field) -> dict:
+    meta = spec.metadata
+    settings = {"default": None, "help": meta["help"]}
+    if "flag_value" in meta:  # a flag that turns a default off (--no-gates)
+        return {**settings, "is_flag": True, "flag_value": meta["flag_value"]}
+    if "/" in (meta.get("flag") or ""):  # --compensate/--no-compensate
+        return settings
+    if "choices" in meta:
+        settings["type"] = click.Choice(meta["choices"])
+    elif meta.get("parse") == "rank-scales":
+        settings["type"] = click.Path(exists=True, dir_okay=False)
+        settings["callback"] = lambda ctx, param, value: rank_scales(value) if value else None
+    elif meta.get("parse") == "patterns":
+        settings["callback"] = lambda ctx, param, value: patterns(value)
+    elif "type" in meta:
+        settings["type"] = meta["type"]
+    if "metavar" in meta:
+        settings["metavar"] = meta["metavar"]
+    return settings
+
+
+def patterns(value: str | None) -> list[str] | None:
+    """Comma-separated module-name patterns as a list (None where none were given)."""
+    return [p.strip() for p in value.split(",") if p.strip()] if value else None
+
+
+def rank_scales(file: str) -> dict:
+    """The per-layer rank scales in ``file``: a JSON object of them, or a report recording learned ones."""
+    try:
+        data = json.loads(Path(file).read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"--rank-scales {file}: expected a JSON file ({err})") from None
+    if isinstance(data, dict) and isinstance(data.get("extra"), dict) and "modules" in data:  # a report
+        if "rank_scales" not in data["extra"]:
+            raise ConfigError(f"--rank-scales {file}: this report records no learned rank scales (the conversion "
+                              f"used the {data['extra'].get('allocation', 'uniform')} allocation)")
+        data = data["extra"]["rank_scales"]
+    return data
