@@ -116,6 +116,16 @@ def test_8_trainer_hooks_keep_the_signatures_comera_overrides():
         assert getattr(ComeraTrainer, name) is not getattr(tf.Trainer, name)
 
 
+def test_8_only_compat_names_the_trainers_private_methods():
+    from pathlib import Path
+
+    training = Path(comera_convert.__file__).parent / "training"
+    for path in training.rglob("*.py"):
+        text = path.read_text()
+        for name in (*compat.TRAINER_HOOKS, "_save_rng_state"):
+            assert f"def {name}(" not in text and f".{name}(" not in text, f"{path.name} names Trainer.{name}"
+
+
 def test_9_the_names_save_pretrained_writes_are_known_before_writing(tmp_path):
     from safetensors import safe_open
 

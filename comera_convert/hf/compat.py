@@ -18,9 +18,10 @@ Touch points:
   6. ``HfQuantizer`` config hooks (``update_attn_implementation`` from 5.2x, ``update_tp_plan`` /
      ``update_ep_plan`` before): where the checkpoint's weights guard is cleared.
   7. The quantizer registries (``register_quantizer`` / ``register_quantization_config``).
-  8. ``Trainer._save_checkpoint`` / ``_save`` / ``_load_from_checkpoint``: overridden by
-     ComeraTrainer for truncated checkpoints, and ``_load_optimizer_and_scheduler`` for sharded
-     ones (``TRAINER_HOOKS``), which also call ``_save_rng_state``.
+  8. ``Trainer._save_checkpoint`` / ``_save`` / ``_load_from_checkpoint`` /
+     ``_load_optimizer_and_scheduler`` (``TRAINER_HOOKS``) and ``_save_rng_state``: overridden here,
+     in ``TrainerCheckpointHooks``, which hands each to a public-named method of ComeraTrainer
+     (truncated checkpoints, sharded optimizer state), so the trainer never names a private method.
   9. ``remove_tied_weights_from_state_dict`` / ``revert_weight_conversion``: the tensor names
      ``save_pretrained`` writes, for a streamed conversion that writes its checkpoint itself.
  10. ``PreTrainedModel._is_distributed_loading_by_transformers`` and ``config.distributed_config``:
@@ -142,6 +143,35 @@ def register_quantization_method(name: str, config_class, quantizer_class) -> No
         register_quantization_config(name)(config_class)
     if name not in AUTO_QUANTIZER_MAPPING:
         register_quantizer(name)(quantizer_class)
+
+
+# 8 -----------------------------------------------------------------------------------------------
+class TrainerCheckpointHooks:
+    """Mixed in before transformers' ``Trainer``: its private checkpoint methods, handed to the methods a
+    subclass defines, each given the Trainer's own behaviour as a callable where it may defer to it.
+
+        write_checkpoint(model, trial, save)      a checkpoint folder (``save()``: the Trainer's own)
+        write_model(output_dir)                   the model files of a checkpoint or the final model
+        read_checkpoint(folder, model)            the model state back from a checkpoint folder
+        read_training_state(checkpoint, load)     optimizer and schedule (``load()``: the Trainer's own)
+    """
+
+    def _save_checkpoint(self, model, trial) -> None:
+        self.write_checkpoint(model, trial, lambda: super(TrainerCheckpointHooks, self)._save_checkpoint(model, trial))
+
+    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        self.write_model(output_dir)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        self.read_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        load = super(TrainerCheckpointHooks, self)._load_optimizer_and_scheduler
+        self.read_training_state(checkpoint, lambda: load(checkpoint))
+
+    def save_rng_state(self, folder: str) -> None:
+        """Every worker's random state into ``folder``, as the Trainer's checkpoints keep it."""
+        self._save_rng_state(folder)
 
 
 # 9 -----------------------------------------------------------------------------------------------

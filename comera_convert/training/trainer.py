@@ -31,6 +31,7 @@ from safetensors.torch import load_file
 from transformers import Trainer, TrainerCallback
 
 from ..errors import ComeraError
+from ..hf.compat import TrainerCheckpointHooks
 from ..layers import PrunedLinear, TTModule
 from .objectives import task_loss
 from .neuron_gates import NeuronBond, pruned_pairs
@@ -84,7 +85,7 @@ def truncated_copy(model, fold: bool):
     return export, kept
 
 
-class ComeraTrainer(Trainer):
+class ComeraTrainer(TrainerCheckpointHooks, Trainer):
     def __init__(self, *args, comera_options, controller: RankController, objective: str, teacher=None,
                  sharding=None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -174,7 +175,7 @@ class ComeraTrainer(Trainer):
         return (total, None) if return_outputs else total
 
     # -- checkpoints ------------------------------------------------------------------------------------
-    def _save_checkpoint(self, model, trial) -> None:
+    def write_checkpoint(self, model, trial, save) -> None:
         """A checkpoint that cannot be written completely (disk full) is removed, never left as latest."""
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -185,7 +186,7 @@ class ComeraTrainer(Trainer):
         try:
             if self.sharding is not None:
                 self._save_sharded_training_state(folder)  # before trainer_state.json marks it complete
-            super()._save_checkpoint(model, trial)
+            save()
         except OSError as err:
             if self.is_world_process_zero():
                 shutil.rmtree(folder, ignore_errors=True)
@@ -199,19 +200,21 @@ class ComeraTrainer(Trainer):
         from transformers.trainer import SCHEDULER_NAME
 
         self.sharding.save_optimizer(self.model, self.optimizer, folder)
-        self._save_rng_state(str(folder))
+        self.save_rng_state(str(folder))
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), folder / SCHEDULER_NAME)
 
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+    def read_training_state(self, checkpoint: str | None, load) -> None:
+        """AdamW's state and the schedule: the Trainer's own way (``load``) unless the model is sharded."""
         if self.sharding is None or checkpoint is None:
-            return super()._load_optimizer_and_scheduler(checkpoint)
+            return load()
         from transformers.trainer import SCHEDULER_NAME
 
         self.sharding.load_optimizer(self.model, self.optimizer, Path(checkpoint))
         self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / SCHEDULER_NAME, weights_only=True))
 
-    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+    def write_model(self, output_dir: str | None = None) -> None:
+        """The model truncated to its open ranks, in floats, with the controller's state beside it."""
         from ..hf.files import write_text_atomic
         from ..hf.saving import save_compressed
 
@@ -231,7 +234,8 @@ class ComeraTrainer(Trainer):
                  "schedule": self.comera_options.schedule()}
         write_text_atomic(Path(output_dir) / STATE_FILE, json.dumps(state))
 
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+    def read_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """The truncated model and the controller's state back from a checkpoint folder."""
         if self.sharding is None:  # a sharded model was loaded before it was sharded
             load_truncated_checkpoint(model or self.model, resume_from_checkpoint)
         state = json.loads((Path(resume_from_checkpoint) / STATE_FILE).read_text())
