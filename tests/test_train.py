@@ -116,10 +116,10 @@ def test_gates_shrink_and_stage_switch_fixes_a_target(tmp_path, tokenizer):
     options = TrainOptions(steps=10, early_steps=4, target_fraction=0.5).for_objective("mlm")
     controller = RankController(model, options, dense_params=10 ** 6)
     size = controller.size()
-    controller.observe_loss(3.0)
-    assert not controller.should_switch(3) and controller.should_switch(4)
+    controller.schedule.observe_loss(3.0)
+    assert not controller.schedule.should_switch(3) and controller.schedule.should_switch(4)
     whole_run = TrainOptions(steps=10, early_steps=10).for_objective("mlm")
-    assert not RankController(model, whole_run, dense_params=10 ** 6).should_switch(10)  # nothing left to train
+    assert not RankController(model, whole_run, dense_params=10 ** 6).schedule.should_switch(10)  # nothing left to train
     controller.switch(4)
     assert controller.state.stage == "late" and controller.state.target_size == size // 2
     assert controller.state.target_loss == 3.0
@@ -1138,8 +1138,8 @@ def _timed_controller(tmp_path, tokenizer, spent_seconds: float):
     options = TrainOptions(steps=1000, minutes=1, target_ratio=4.0, early_steps=666,
                            budget_share=0.75).for_objective("mlm")
     controller = RankController(comera_convert.from_pretrained(path), options, _dense_params(path))
-    controller.clock = WallClock(options.minutes)
-    controller.clock.already = spent_seconds
+    controller.schedule.clock = WallClock(options.minutes)
+    controller.schedule.clock.already = spent_seconds
     return controller
 
 
@@ -1191,17 +1191,17 @@ def test_the_last_blocks_bonds_keep_the_share_asked_for_and_the_others_the_runs_
 
 def test_with_minutes_the_stage_switch_and_the_budget_follow_the_time_spent(tmp_path, tokenizer):
     controller = _timed_controller(tmp_path, tokenizer, spent_seconds=30)
-    assert not controller.should_switch(10)  # half the time, a hundredth of the steps: still early
-    controller.clock.already = 40.5  # past two thirds of the minute (the early share)
-    assert controller.should_switch(10)
+    assert not controller.schedule.should_switch(10)  # half the time, a hundredth of the steps: still early
+    controller.schedule.clock.already = 40.5  # past two thirds of the minute (the early share)
+    assert controller.schedule.should_switch(10)
     controller.switch(10)
     assert controller.state.switch_progress == pytest.approx(0.675)
     start, target = controller.state.size_at_switch, controller.state.target_size
-    controller.clock.already = 40.5 + 0.5 * 0.75 * (60 - 40.5)  # half way down the schedule
-    assert controller.budget_at(11) == target + round((start - target) * 0.5 ** 3)
-    controller.clock.already = 40.5 + 0.75 * (60 - 40.5)  # the schedule's end, whatever the step
-    assert controller.budget_at(12) == target
-    controller.clock.already = 50
+    controller.schedule.clock.already = 40.5 + 0.5 * 0.75 * (60 - 40.5)  # half way down the schedule
+    assert controller.schedule.budget_at(11) == target + round((start - target) * 0.5 ** 3)
+    controller.schedule.clock.already = 40.5 + 0.75 * (60 - 40.5)  # the schedule's end, whatever the step
+    assert controller.schedule.budget_at(12) == target
+    controller.schedule.clock.already = 50
     assert re.fullmatch(r"target ratio 4x missed: reached 2\.\d\dx, the --minutes budget ran out at step 12, "
                         r"\d+% of the way down its budget schedule: give more --minutes, or fewer --steps "
                         r"\(the schedule follows whichever runs out first\)", controller.shortfall(12))
@@ -1210,11 +1210,11 @@ def test_with_minutes_the_stage_switch_and_the_budget_follow_the_time_spent(tmp_
 def test_with_minutes_too_short_for_the_late_stage_a_warning_says_so(tmp_path, tokenizer):
     controller = _timed_controller(tmp_path, tokenizer, spent_seconds=45)
     controller.state.stage = "late"
-    assert controller.short_late_stage(100) is None  # 0.45 s a step: 33 steps left
-    controller.clock.already = 50
+    assert controller.schedule.short_late_stage(100, controller.ratio()) is None  # 0.45 s a step: 33 steps left
+    controller.schedule.clock.already = 50
     assert re.fullmatch(r"--minutes 1 leaves about 4 steps for the late stage to compress from 2\.\d\dx to 4x "
                         r"\(at 2\.50 s a step\): the target ratio may be missed; give more --minutes or fewer "
-                        r"--early-steps", controller.short_late_stage(20))
+                        r"--early-steps", controller.schedule.short_late_stage(20, controller.ratio()))
 
 
 def test_a_target_ratio_is_reached_in_minutes(tmp_path, tokenizer, corpus):
@@ -1476,7 +1476,7 @@ def test_below_the_switch_loss_min_max_steps_on_the_ranks_and_task_on_the_task(t
     options = TrainOptions(steps=10, early_steps=4, target_ratio=3.0, late_objective=late_objective,
                            beta=0.01).for_objective("mlm")
     controller = RankController(model, options, dense_params=_dense_params(tmp_path / "tt"))
-    controller.observe_loss(3.0)
+    controller.schedule.observe_loss(3.0)
     controller.switch(4)
     below = torch.tensor(2.0)  # under the switch's loss, at the budget's size
     surrogate = float(controller.surrogate())

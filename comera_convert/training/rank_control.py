@@ -1,4 +1,5 @@
-"""CoMERA's rank control: model size from the gates, its surrogate, pruning, and the two stages.
+"""CoMERA's rank control: model size from the gates, its surrogate, pruning, and the two stages' objective
+(when the stages run, and the budget's schedule, are ``stages.py``'s).
 
 Size S (CoMERA Eq. 4): per TT layer, the sum over cores of n_k * r_{k-1} * r_k, where r counts
 the open (nonzero) entries of each bond's gate; a pruned feed-forward pair counts as two cores
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -31,21 +31,17 @@ from ..conversion.targets import last_block_prefix
 from ..errors import ConfigError
 from ..hf.config import integer_format_of
 from ..layers import TTModule
-from .budget import (FALLBACK_KEPT_SHARES, MIN_KEPT_SHARE, ModuleBonds, bond_floor, choose_closures,
-                     scheduled_size)
+from .budget import (FALLBACK_KEPT_SHARES, MIN_KEPT_SHARE, ModuleBonds, bond_floor, choose_closures)
 from .neuron_gates import NeuronBond, attach_neuron_gates, neuron_bonds
 from .opening import dense_block_linears, open_dense_layers
+from .stages import EARLY, LATE, RankState, StageSchedule
 
 logger = logging.getLogger("comera_convert.training")
 
-EARLY, LATE = "early", "late"
 # Smoothing of the importance scores across steps (AdaLoRA's 0.85): one batch's gradient is noisy.
 IMPORTANCE_DECAY = 0.85
 # A run reaches its target ratio when the model holds at most this much more than dense / target.
 TARGET_TOLERANCE = 0.02
-# Fewest late-stage steps a --minutes run is expected to have before it is warned about: the budget
-# falls over a share of them (--budget-share), and each closure wants a few steps for the cores to recover.
-MIN_LATE_STEPS = 20
 
 
 def gated_tt_layers(model: nn.Module) -> list[tuple[str, TTModule]]:
@@ -96,26 +92,6 @@ def whole_multiples(closing: torch.Tensor, is_open: torch.Tensor, gate: torch.Te
     return closing & (position < open_count - keep)
 
 
-@dataclass
-class RankState:
-    """What the controller must carry across a checkpoint."""
-
-    stage: str = EARLY
-    switch_step: int | None = None
-    size_at_switch: int | None = None
-    target_size: int | None = None
-    target_loss: float | None = None
-    loss_ema: float | None = None
-    ema_history: list[float] = field(default_factory=list)
-    budget: int | None = None  # the late stage's scheduled TT size at the last step (--target-ratio)
-    switch_progress: float | None = None  # the run's progress (0 to 1) at the switch: --minutes schedules by it
-    cut_points: int = 0  # how many of rank_cuts.CUT_POINTS the run has passed (each cut or had nothing to cut)
-    cuts: list[dict] = field(default_factory=list)  # rank_cuts.RankCut records, in order
-
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
-
-
 @torch.no_grad()
 def _close_masked(module: TTModule, masks: list[torch.Tensor]) -> None:
     """Zero every gate entry its mask marks closed, and the core slices on both sides of it."""
@@ -136,7 +112,7 @@ class RankController:
         self.model = model
         self.options = options
         self.dense_params = dense_params
-        self.state = RankState()
+        self.schedule = StageSchedule(options)  # when the stages run, and the budget's schedule
         # Every pruned feed-forward pair's hidden width is a bond too (neuron_gates.py).
         self.gated_pairs = attach_neuron_gates(model)
         self.modules = gated_modules(model)
@@ -152,9 +128,6 @@ class RankController:
             raise ConfigError("the model has no TT layers and no pruned feed-forward pairs, so CoMERA's rank "
                               f"adaptation has nothing to adapt: {remedy}, or convert it with TT layers "
                               "(--word-embedding tt)")
-        # With --minutes the trainer hands its WallClock here: the stages and the budget then follow the
-        # run's progress in time as well as in steps, as the learning rate does (wall_clock.py).
-        self.clock = None
         # Open entries per gate. Closed is for good: an optimizer step's momentum must not reopen
         # an entry. A gate that starts at zero (a resumed, expanded checkpoint) starts closed.
         self.sync_open()
@@ -166,6 +139,15 @@ class RankController:
         if options.target_ratio is not None:
             self.choose_floors(options.target_ratio)
             self.check_target(options.target_ratio)
+
+    @property
+    def state(self) -> RankState:
+        """What a checkpoint carries (the schedule's: a resumed run sets it here)."""
+        return self.schedule.state
+
+    @state.setter
+    def state(self, state: RankState) -> None:
+        self.schedule.state = state
 
     def sync_open(self) -> None:
         """Take the open entries from the gates as they are (after loading a checkpoint)."""
@@ -292,19 +274,6 @@ class RankController:
         self.open[index] = [mask[idx.to(mask.device)] for mask, idx in zip(self.open[index], keep)]
         self.importance[index] = [score[idx.to(score.device)] for score, idx in zip(self.importance[index], keep)]
 
-    def late_progress(self, step: int) -> float | None:
-        """How far the late stage has come, 0 at the switch to 1 at its end (with a target, the end of
-        the budget schedule); None in the early stage."""
-        if self.state.stage != LATE:
-            return None
-        if self.options.target_ratio is not None:
-            return self.schedule_progress(step)
-        if self.timed():
-            start = self.state.switch_progress or 0.0
-            return (self.run_progress(step) - start) / max(1.0 - start, 1e-9)
-        switch = self.state.switch_step
-        return (step - switch) / max(self.options.steps - switch, 1)
-
     # -- pruning --------------------------------------------------------------------------------------
     @torch.no_grad()
     def prune(self) -> int:
@@ -358,54 +327,11 @@ class RankController:
         flat = iter(lists)
         self.importance = [[torch.tensor(next(flat)) for _ in m.gates] for _, m in self.modules]
 
-    def timed(self) -> bool:
-        """Whether the run has a wall-time budget (--minutes)."""
-        return self.clock is not None and self.clock.budget is not None
-
-    def run_progress(self, step: int) -> float:
-        """The run's progress, 0 to 1: the share of ``steps`` taken, or with --minutes the larger of it
-        and the share of the time spent (the first to run out ends the run)."""
-        progress = min(1.0, step / self.options.steps)
-        return max(progress, self.clock.share_spent()) if self.timed() else progress
-
-    def schedule_end(self) -> int:
-        """The step at which the budget reaches the target ratio."""
-        switch = self.state.switch_step or 0
-        return switch + max(1, math.ceil(self.options.budget_share * (self.options.steps - switch)))
-
-    def schedule_progress(self, step: int) -> float:
-        """How far the budget has fallen towards the target ratio, 0 at the switch to 1 (and beyond) at the
-        schedule's end: in steps, or with --minutes in the run's progress."""
-        if not self.timed():
-            switch = self.state.switch_step
-            return (step - switch) / (self.schedule_end() - switch)
-        start = self.state.switch_progress or 0.0
-        return (self.run_progress(step) - start) / max(self.options.budget_share * (1.0 - start), 1e-9)
-
-    def short_late_stage(self, step: int) -> str | None:
-        """With --minutes and a target: one line when, at the pace of the steps so far, the time left
-        holds fewer than ``MIN_LATE_STEPS`` steps for the late stage; None otherwise."""
-        if not self.timed() or self.options.target_ratio is None or step < 1:
-            return None
-        per_step = self.clock.elapsed() / step
-        left = (self.clock.budget - self.clock.elapsed()) / max(per_step, 1e-9)
-        if left >= MIN_LATE_STEPS:
-            return None
-        return (f"--minutes {self.options.minutes:g} leaves about {left:.0f} steps for the late stage to compress "
-                f"from {self.ratio():.2f}x to {self.options.target_ratio:g}x (at {per_step:.2f} s a step): "
-                f"the target ratio "
-                "may be missed; give more --minutes or fewer --early-steps")
-
-    def budget_at(self, step: int) -> int | None:
-        if self.state.stage != LATE or self.options.target_ratio is None:
-            return None
-        return scheduled_size(self.state.size_at_switch, self.state.target_size, self.schedule_progress(step))
-
     @torch.no_grad()
     def enforce_budget(self, step: int) -> int:
         """Close the least important entries per parameter freed until the size is within the
         step's budget (or every bond is at its floor); returns how many closed."""
-        budget = self.state.budget = self.budget_at(step)
+        budget = self.state.budget = self.schedule.budget_at(step)
         if budget is None:
             return 0
         excess = self.size() - budget
@@ -442,44 +368,22 @@ class RankController:
         reached = f"target ratio {target:g}x missed: reached {self.ratio():.2f}x"
         if self.state.stage != LATE:
             return f"{reached}, the run ended in the early stage (step {step}): lower --early-steps"
-        if self.timed() and self.schedule_progress(step) < 1:
+        schedule = self.schedule
+        if schedule.timed() and schedule.schedule_progress(step) < 1:
             return (f"{reached}, the --minutes budget ran out at step {step}, "
-                    f"{self.schedule_progress(step):.0%} of the way down its budget schedule: "
+                    f"{schedule.schedule_progress(step):.0%} of the way down its budget schedule: "
                     "give more --minutes, or fewer --steps (the schedule follows whichever runs out first)")
-        if not self.timed() and step < self.schedule_end():
+        if not schedule.timed() and step < schedule.schedule_end():
             return (f"{reached}, the run stopped at step {step} before its budget schedule's end "
-                    f"(step {self.schedule_end()}): resume it (--resume) or train longer")
+                    f"(step {schedule.schedule_end()}): resume it (--resume) or train longer")
         return (f"{reached}: every bond is at its floor ({self.floor_description()}); a lower "
                 "--target-ratio or --rank-multiple, or a conversion at a higher --ratio, would reach it")
-
-    # -- the staged objective -----------------------------------------------------------------------
-    def observe_loss(self, loss: float) -> None:
-        decay = 0.9
-        ema = self.state.loss_ema
-        self.state.loss_ema = loss if ema is None else decay * ema + (1 - decay) * loss
-        window = self.options.plateau_window
-        if window:
-            self.state.ema_history = (self.state.ema_history + [self.state.loss_ema])[-(window + 1):]
-
-    def should_switch(self, step: int) -> bool:
-        if self.state.stage != EARLY:
-            return False
-        early_share = self.options.early_steps / self.options.steps
-        if step >= self.options.early_steps or (self.timed() and self.clock.share_spent() >= early_share):
-            # Not at the last step nor with the time spent: a late stage would train nothing
-            # (distillation that keeps the size runs its early stage over every step).
-            return step < self.options.steps and not (self.timed() and self.clock.spent())
-        history, window = self.state.ema_history, self.options.plateau_window
-        if window and len(history) > window:
-            gain = (history[0] - history[-1]) / max(abs(history[0]), 1e-12)
-            return gain < self.options.plateau_tol
-        return False
 
     def switch(self, step: int) -> None:
         """Enter the late stage: fix the switch's point (L0, S0)."""
         size = self.size()
         self.state.stage, self.state.switch_step, self.state.size_at_switch = LATE, step, size
-        self.state.switch_progress = self.run_progress(step)
+        self.state.switch_progress = self.schedule.run_progress(step)
         if self.options.target_ratio is not None:
             # The whole model must hold dense_params / target_ratio: the TT part gets what the rest
             # leaves (the gates counted at the current ranks, so the size lands on the target ratio, never past it).

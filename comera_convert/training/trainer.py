@@ -35,7 +35,8 @@ from ..hf.compat import TrainerCheckpointHooks
 from ..layers import PrunedLinear, TTModule
 from .objectives import task_loss
 from .neuron_gates import NeuronBond, pruned_pairs
-from .rank_control import RankController, RankState, gated_modules
+from .rank_control import RankController, gated_modules
+from .stages import RankState
 from .rank_cuts import CUT_POINTS, cut_closed_ranks, points_reached
 from .reprojection import GRAM_EVERY, GramRecorder, reproject
 from .wall_clock import WallClock, wall_time_scheduler
@@ -96,7 +97,7 @@ class ComeraTrainer(TrainerCheckpointHooks, Trainer):
         self.teacher = teacher
         self.history: list[dict] = []
         self.clock = WallClock(comera_options.minutes)
-        controller.clock = self.clock  # --minutes: the stages and the size budget follow the time spent
+        controller.schedule.clock = self.clock  # --minutes: the stages and the size budget follow the time spent
         self.last_task_loss: float | None = None
         self.nan_streak = 0
         self.cuts_ranks = comera_options.cut_ranks and sharding is None and not distributed()
@@ -131,7 +132,7 @@ class ComeraTrainer(TrainerCheckpointHooks, Trainer):
     def cut_ranks_when_due(self, step: int) -> None:
         """At each of rank_cuts.CUT_POINTS the late stage passes, cut the closed ranks out of the model."""
         controller = self.controller
-        reached = points_reached(controller.late_progress(step))
+        reached = points_reached(controller.schedule.late_progress(step))
         if reached <= controller.state.cut_points:
             return
         controller.state.cut_points = reached
@@ -311,12 +312,12 @@ class RankCallback(TrainerCallback):
         trainer, controller = self.trainer, self.trainer.controller
         controller.prune()
         if trainer.last_task_loss is not None and math.isfinite(trainer.last_task_loss):
-            controller.observe_loss(trainer.last_task_loss)
-        if controller.should_switch(state.global_step):
+            controller.schedule.observe_loss(trainer.last_task_loss)
+        if controller.schedule.should_switch(state.global_step):
             controller.switch(state.global_step)
             logger.info("step %d: late stage, target size %d (now %d)", state.global_step,
                         controller.state.target_size, controller.state.size_at_switch)
-            short = controller.short_late_stage(state.global_step)
+            short = controller.schedule.short_late_stage(state.global_step, controller.ratio())
             if short:
                 logger.warning(short)
         controller.enforce_budget(state.global_step)
