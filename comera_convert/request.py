@@ -1,7 +1,7 @@
 """ConvertRequest: what the user wants of a conversion, validated and nothing more.
 
 Python callers (``comera_convert.convert(model, ratio=4)``), recipes and ``comera convert`` build the same
-object; the CLI's flags are generated from its fields (``cli/request_options.py``), so each field's help,
+object; the CLI's flags are generated from its fields (``cli/dataclass_options.py``), so each field's help,
 choices and flag live here once. Fields left ``None`` are the user's "choose for me": the plan
 (``conversion/plan.py``) derives them from the request and the model's shape, once, with a reason for each.
 
@@ -12,11 +12,11 @@ stays quick and the configuration never depends on the code that carries it out.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass
 
 from .choices import ALLOCATIONS, FFN_METHODS, FLOAT_STORAGE, INTEGER_STORAGE, LAYOUTS, WORD_EMBEDDINGS
 from .errors import ConfigError, expected
-from .option_files import from_mapping
+from .option_files import from_mapping, option
 
 # The concerns a request's fields are grouped by (each field's "concern"; `comera convert --help` lists them
 # in this order).
@@ -33,20 +33,13 @@ MAX_RANK_SCALE = 64.0
 SHARED_RANK = ("uniform", "learned")
 
 
-def option(default, concern: str, help: str, **cli):
-    """A request field: its default, its concern, and how `comera convert` offers it (``help``; ``cli``:
-    ``flag`` (the declaration, e.g. "--modes" or "--compensate/--no-compensate"), ``type``, ``metavar``,
-    ``choices``, ``parse`` (how the flag's text becomes the value), ``flag_value``)."""
-    if concern not in CONCERNS:
-        raise ValueError(f"concern {concern!r} is none of {CONCERNS}")
-    return field(default=default, metadata={"concern": concern, "help": help, **cli})
-
-
 @dataclass
 class ConvertRequest:
     """What a conversion should do, validated on construction: an out-of-range value raises
     ``ConfigError`` saying what was expected and what came in. Nothing here is derived from another field
     or from the model; ``plan(request, model)`` does that."""
+
+    CONCERNS = CONCERNS
 
     ratio: float | None = option(
         4.0, "rank budget", "Shrink the whole model this many times [default: 4].", type=float)
@@ -306,12 +299,6 @@ class ConvertRequest:
 
 # The name the library has exported since 0.1.0: a request holds the options a conversion was given.
 ConvertOptions = ConvertRequest
-
-
-def request_fields(cls=ConvertRequest):
-    """The fields the CLI offers as flags, in their concerns' order."""
-    offered = [f for f in fields(cls) if f.metadata.get("cli", True)]
-    return sorted(offered, key=lambda f: CONCERNS.index(f.metadata["concern"]))
 
 
 def check_device(name: str) -> None:

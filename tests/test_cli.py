@@ -272,9 +272,11 @@ def test_every_training_option_is_a_flag_of_comera_train():
 
     from comera_convert.training import TrainOptions
 
-    flags = {param.name for param in main.commands["train"].params}
-    missing = [f.name for f in fields(TrainOptions) if f.name != "version" and f.name not in flags]
-    assert missing == []
+    params = {param.name: param for param in main.commands["train"].params}
+    assert [f.name for f in fields(TrainOptions) if f.name != "version" and f.name not in params] == []
+    assert all(params[f.name].help == f.metadata["help"] for f in fields(TrainOptions) if f.name != "version")
+    assert params["steps"].opts == ["--max-steps", "--steps"]  # transformers' name first
+    assert params["bf16"].secondary_opts == ["--no-bf16"] and params["fsdp"].is_flag
 
 
 def test_ratio_that_is_not_a_number_is_a_usage_error(dense_dir):

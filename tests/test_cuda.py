@@ -128,11 +128,12 @@ def test_train_with_compile_and_bf16(tmp_path):
 def test_a_tt_training_step_makes_no_host_syncs():
     """Forward, backward, AdamW and CoMERA's gate pruning stay on the device (CUDA graphs need it)."""
     from comera_convert.training import TrainOptions
+    from comera_convert.training.plan import plan_training
     from comera_convert.training.rank_control import RankController
 
     model = build("bert-mlm")
     comera_convert.convert(model, ratio=3, gates=True)
-    controller = RankController(model, TrainOptions().for_objective("mlm"), dense_params=1)
+    controller = RankController(model, plan_training(TrainOptions(), "mlm"), dense_params=1)
     model.cuda().train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
     ids = torch.randint(0, model.config.vocab_size, (2, 16), device="cuda")

@@ -18,6 +18,7 @@ from comera_convert.conversion.targets import find_candidates
 from comera_convert.errors import ConfigError
 from comera_convert.layers import PrunedLinear, TTModule
 from comera_convert.training import TrainOptions, train
+from comera_convert.training.plan import plan_training
 from comera_convert.training.neuron_gates import NeuronBond, attach_neuron_gates, neuron_bonds, pruned_pairs
 from comera_convert.training.rank_control import RankController
 from comera_convert.training.trainer import STATE_FILE, load_truncated_checkpoint, truncated_copy
@@ -150,7 +151,7 @@ def test_a_training_checkpoint_of_a_cut_pair_restores_it_at_its_width(converted)
 
 def test_the_budget_counts_a_neuron_as_its_row_its_bias_and_its_column(converted):
     model = comera_convert.from_pretrained(converted).eval()
-    options = TrainOptions(steps=100, target_ratio=3.0).for_objective("mlm")
+    options = plan_training(TrainOptions(steps=100, target_ratio=3.0), "mlm")
     controller = RankController(model, options, _dense_params(converted))
     bonds = [m for _, m in controller.modules if isinstance(m, NeuronBond)]
     assert bonds and controller.gated_pairs == len(bonds)
@@ -239,11 +240,11 @@ def test_targets_the_gates_cannot_head_for_are_refused_in_one_line(converted, tm
 def test_a_budget_that_would_empty_a_pair_keeps_one_neuron_and_says_so_in_one_line(converted, caplog):
     model = comera_convert.from_pretrained(converted).eval()
     dense = _dense_params(converted)
-    probe = RankController(copy.deepcopy(model), TrainOptions(steps=100, target_ratio=2.5).for_objective("mlm"),
+    probe = RankController(copy.deepcopy(model), plan_training(TrainOptions(steps=100, target_ratio=2.5), "mlm"),
                            dense)
     ceiling = probe.ceiling(probe.floors_at(0.0))  # every bond at rank 1, every pair at one neuron
     with caplog.at_level(logging.WARNING, logger="comera_convert"):
-        controller = RankController(model, TrainOptions(steps=100, target_ratio=0.99 * ceiling).for_objective("mlm"),
+        controller = RankController(model, plan_training(TrainOptions(steps=100, target_ratio=0.99 * ceiling), "mlm"),
                                     dense)
     assert controller.kept_share == 0.0
     assert all(floor >= 1 for floors in controller.floors for floor in floors)
@@ -255,7 +256,7 @@ def test_a_neuron_gate_trains_at_the_gates_rate_and_the_pairs_weights_at_the_fac
     from comera_convert.training.trainer import parameter_groups
 
     model, [(name, bond)] = _gated(converted)
-    options = TrainOptions(steps=10).for_objective("mlm")
+    options = plan_training(TrainOptions(steps=10), "mlm")
     groups = {group["name"]: {id(p) for p in group["params"]} for group in parameter_groups(model, options)}
     assert id(bond.gates[0]) in groups["gates"]
     assert {id(bond.up.weight), id(bond.down.weight)} <= groups["cores"]

@@ -373,13 +373,14 @@ def test_the_default_on_a_model_without_a_bert_family_pair_stays_low_rank_withou
 
 def test_a_target_ratio_gates_the_pruned_pairs_neurons_beside_the_tt_ranks(caplog):
     from comera_convert.training import TrainOptions
+    from comera_convert.training.plan import plan_training
     from comera_convert.training.neuron_gates import NeuronBond
     from comera_convert.training.rank_control import RankController
 
     model, stats = _calibrated()
     dense = sum(p.numel() for p in model.parameters())
     report = comera_convert.convert(model, rank=8, calibration=stats, ffn="prune")
-    options = TrainOptions(steps=100, target_ratio=1.2 * dense / report.params_after).for_objective("mlm")
+    options = plan_training(TrainOptions(steps=100, target_ratio=1.2 * dense / report.params_after), "mlm")
     with caplog.at_level(logging.WARNING, logger="comera_convert.training"):
         controller = RankController(model, options, dense_params=dense)
     assert not [r for r in caplog.records if r.name == "comera_convert.training"]  # nothing left out to warn of

@@ -16,6 +16,7 @@ import comera_convert
 from comera_convert.conversion import count_params
 from comera_convert.errors import ComeraError, ConfigError
 from comera_convert.training import TrainOptions, train
+from comera_convert.training.plan import plan_training
 from comera_convert.training.rank_control import RankController, whole_multiples
 from comera_convert.text import Blocks
 from comera_convert.training.run import set_dropout, with_document_starts
@@ -113,13 +114,14 @@ def test_training_lowers_the_loss_prunes_ranks_and_exports_a_smaller_model(tmp_p
 
 def test_gates_shrink_and_stage_switch_fixes_a_target(tmp_path, tokenizer):
     model = comera_convert.from_pretrained(compressed(tmp_path, tokenizer))
-    options = TrainOptions(steps=10, early_steps=4, target_fraction=0.5).for_objective("mlm")
+    options = plan_training(TrainOptions(steps=10, early_steps=4, target_fraction=0.5), "mlm")
     controller = RankController(model, options, dense_params=10 ** 6)
     size = controller.size()
     controller.schedule.observe_loss(3.0)
     assert not controller.schedule.should_switch(3) and controller.schedule.should_switch(4)
-    whole_run = TrainOptions(steps=10, early_steps=10).for_objective("mlm")
-    assert not RankController(model, whole_run, dense_params=10 ** 6).schedule.should_switch(10)  # nothing left to train
+    whole_run = plan_training(TrainOptions(steps=10, early_steps=10), "mlm")
+    whole_run_controller = RankController(model, whole_run, dense_params=10 ** 6)
+    assert not whole_run_controller.schedule.should_switch(10)  # nothing left to train
     controller.switch(4)
     assert controller.state.stage == "late" and controller.state.target_size == size // 2
     assert controller.state.target_loss == 3.0
@@ -150,7 +152,7 @@ def test_whole_multiples_close_the_weakest_candidates_down_to_a_multiple():
 
 def test_pruning_in_multiples_keeps_open_ranks_multiples(tmp_path, tokenizer):
     model = comera_convert.from_pretrained(compressed(tmp_path, tokenizer))
-    controller = RankController(model, TrainOptions(rank_multiple=4).for_objective("mlm"), dense_params=10 ** 6)
+    controller = RankController(model, plan_training(TrainOptions(rank_multiple=4), "mlm"), dense_params=10 ** 6)
     _, module = max(controller.modules, key=lambda item: max(item[1].bond_dims))
     bond = max(range(len(module.bond_dims)), key=lambda k: module.bond_dims[k])
     size = module.bond_dims[bond]
@@ -226,10 +228,10 @@ def test_distillation_matches_states_by_direction_where_the_conversion_cut_hard(
 
     assert [default_distill_states(cut) for cut in (None, 2.28, COSINE_STATES_FROM_CUT, 3.36, 5.55)] == \
         ["relative-mse", "relative-mse", "cosine", "cosine", "cosine"]
-    assert TrainOptions().for_objective("distill", layers_cut=5.55).distill_states == "cosine"
-    assert TrainOptions().for_objective("distill", layers_cut=2.28).distill_states == "relative-mse"
-    assert TrainOptions().for_objective("mlm", layers_cut=5.55).distill_states == "relative-mse"
-    chosen = TrainOptions(distill_states="relative-mse").for_objective("distill", layers_cut=5.55)
+    assert plan_training(TrainOptions(), "distill", layers_cut=5.55).distill_states == "cosine"
+    assert plan_training(TrainOptions(), "distill", layers_cut=2.28).distill_states == "relative-mse"
+    assert plan_training(TrainOptions(), "mlm", layers_cut=5.55).distill_states == "relative-mse"
+    chosen = plan_training(TrainOptions(distill_states="relative-mse"), "distill", layers_cut=5.55)
     assert chosen.distill_states == "relative-mse"  # the user's choice stands
 
 
@@ -367,9 +369,9 @@ def test_bf16_is_on_by_default_only_where_the_cpu_multiplies_it_natively(monkeyp
 
     monkeypatch.setattr(run, "native_bf16_cpu", lambda: native)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    args = run.training_arguments(TrainOptions().for_objective("mlm"), tmp_path)
+    args = run.training_arguments(plan_training(TrainOptions(), "mlm"), tmp_path)
     assert args.bf16 is native
-    assert run.training_arguments(TrainOptions(bf16=False).for_objective("mlm"), tmp_path).bf16 is False
+    assert run.training_arguments(plan_training(TrainOptions(bf16=False), "mlm"), tmp_path).bf16 is False
 
 
 @pytest.mark.parametrize("probes", [{}, {"_is_amx_tile_supported": lambda: True},
@@ -547,7 +549,7 @@ def test_checkpointing_arguments_raise_no_deprecation_warning(tmp_path, enabled)
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
-        args = training_arguments(TrainOptions(gradient_checkpointing=enabled).for_objective("mlm"), tmp_path)
+        args = training_arguments(plan_training(TrainOptions(gradient_checkpointing=enabled), "mlm"), tmp_path)
     assert args.gradient_checkpointing is enabled
     assert (args.gradient_checkpointing_kwargs or {}).get("use_reentrant", False) is False
 
@@ -672,9 +674,9 @@ def test_a_batch_of_cut_starts_is_padded_and_masked_so_that_each_text_is_seen_as
 def test_cut_or_long_starts_are_batched_by_length(tmp_path):
     from comera_convert.training.run import training_arguments
 
-    cut = TrainOptions(start_min_tokens=8).for_objective("distill", encoder=True)
-    long = TrainOptions(start_max_tokens=256).for_objective("distill", encoder=True)
-    whole = TrainOptions().for_objective("distill", encoder=True)
+    cut = plan_training(TrainOptions(start_min_tokens=8), "distill", encoder=True)
+    long = plan_training(TrainOptions(start_max_tokens=256), "distill", encoder=True)
+    whole = plan_training(TrainOptions(), "distill", encoder=True)
     for options, strategy in ((cut, "group_by_length"), (long, "group_by_length"), (whole, "random")):
         args = training_arguments(options, tmp_path)
         assert getattr(args, "train_sampling_strategy", None) == strategy or \
@@ -1092,7 +1094,7 @@ def _gates_ceiling(path) -> float:
     """The ratio a checkpoint's gates reach with every bond at rank 1 (its dense layers left dense)."""
     from comera_convert.training.rank_control import RankController
 
-    controller = RankController(comera_convert.from_pretrained(path), TrainOptions(steps=100).for_objective("mlm"),
+    controller = RankController(comera_convert.from_pretrained(path), plan_training(TrainOptions(steps=100), "mlm"),
                                 _dense_params(path))
     return controller.ceiling(controller.floors_at(0.0))
 
@@ -1135,8 +1137,8 @@ def _timed_controller(tmp_path, tokenizer, spent_seconds: float):
     from comera_convert.training.wall_clock import WallClock
 
     path = compressed(tmp_path, tokenizer, ratio=2)
-    options = TrainOptions(steps=1000, minutes=1, target_ratio=4.0, early_steps=666,
-                           budget_share=0.75).for_objective("mlm")
+    options = plan_training(TrainOptions(steps=1000, minutes=1, target_ratio=4.0, early_steps=666,
+                           budget_share=0.75), "mlm")
     controller = RankController(comera_convert.from_pretrained(path), options, _dense_params(path))
     controller.schedule.clock = WallClock(options.minutes)
     controller.schedule.clock.already = spent_seconds
@@ -1148,7 +1150,7 @@ def test_a_target_beyond_a_quarter_of_each_rank_lowers_the_floors_just_enough(tm
 
     path = compressed(tmp_path, tokenizer, rank=8)  # every linear a gated pair: nothing left dense to open
     model, dense = comera_convert.from_pretrained(path), _dense_params(path)
-    options = TrainOptions(steps=100).for_objective("mlm")
+    options = plan_training(TrainOptions(steps=100), "mlm")
     ceilings = {}
     for share in (0.25, 0.125):
         probe = RankController(model, options, dense)
@@ -1157,7 +1159,7 @@ def test_a_target_beyond_a_quarter_of_each_rank_lowers_the_floors_just_enough(tm
     assert ceilings[0.25] < ceilings[0.125]
     between = (ceilings[0.25] + ceilings[0.125]) / 2
     for target, share in ((ceilings[0.25] * 0.99, 0.25), (between, 0.125)):
-        controller = RankController(model, TrainOptions(steps=100, target_ratio=target).for_objective("mlm"), dense)
+        controller = RankController(model, plan_training(TrainOptions(steps=100, target_ratio=target), "mlm"), dense)
         assert controller.kept_share == share
         ranks = [r for _, m in controller.modules for r in m.ranks]
         assert [f for floors in controller.floors for f in floors] == [max(1, math.ceil(share * r)) for r in ranks]
@@ -1170,7 +1172,7 @@ def test_the_last_blocks_bonds_keep_the_share_asked_for_and_the_others_the_runs_
     path = compressed(tmp_path, tokenizer, ratio=2)  # its linears dense: a target beyond the gates opens them
     model, dense = comera_convert.from_pretrained(path), _dense_params(path)
     last, target = last_block_prefix(model), round(1.2 * _gates_ceiling(path), 1)
-    options = TrainOptions(steps=100, target_ratio=target, last_block_floor=0.5).for_objective("mlm")
+    options = plan_training(TrainOptions(steps=100, target_ratio=target, last_block_floor=0.5), "mlm")
     controller = RankController(model, options, dense)
     in_last = [name.startswith(last) for name, _ in controller.modules]
     assert any(in_last) and not all(in_last)
@@ -1239,7 +1241,7 @@ def test_a_target_ratio_is_reached_in_minutes(tmp_path, tokenizer, corpus):
 def test_the_budget_closes_the_entries_the_loss_needs_least(tmp_path, tokenizer):
     path = compressed(tmp_path, tokenizer, ratio=2)
     model = comera_convert.from_pretrained(path)
-    options = TrainOptions(steps=10, early_steps=2, target_ratio=2.2).for_objective("mlm")
+    options = plan_training(TrainOptions(steps=10, early_steps=2, target_ratio=2.2), "mlm")
     controller = RankController(model, options, dense_params=_dense_params(path))
     # Importance from gradients: the running average of (g * dL/dg)^2 (the gates are 1 here).
     gate = controller.modules[0][1].gates[0]
@@ -1303,26 +1305,27 @@ def test_auto_distills_an_encoder_without_an_lm_head_from_its_recorded_source(tm
 
 
 def test_unset_options_take_their_objectives_defaults_and_set_ones_stay():
-    mlm = TrainOptions().for_objective("mlm")
+    mlm = plan_training(TrainOptions(), "mlm")
     assert (mlm.lr_cores, mlm.lr_rest, mlm.warmup_steps, mlm.lr_scheduler_type, mlm.document_starts, mlm.dropout,
             mlm.beta, mlm.early_steps) == (1e-4, 5e-5, 0, "constant", 0.0, None, 0.01, 666)
-    distill = TrainOptions(lr_cores=3e-4, steps=200).for_objective("distill", encoder=False)
+    distill = plan_training(TrainOptions(lr_cores=3e-4, steps=200), "distill", encoder=False)
     assert (distill.lr_cores, distill.lr_rest, distill.warmup_steps, distill.document_starts) == (3e-4, 1e-4, 20, 0.0)
     # Without a target, distillation keeps the size: no late stage, no size term.
     assert (distill.beta, distill.early_steps) == (0.0, 200)
     # With one, the late stage starts after 5 %, trains on the task loss, closes the ranks over its
     # first 15 % and re-projects the pairs at the switch; CoMERA's schedule where chosen.
-    compressing = TrainOptions(steps=300, target_ratio=4).for_objective("distill", encoder=True)
+    compressing = plan_training(TrainOptions(steps=300, target_ratio=4), "distill", encoder=True)
     assert (compressing.beta, compressing.early_steps, compressing.document_starts) == (0.01, 15, 0.5)
     assert (compressing.late_objective, compressing.budget_share, compressing.reproject) == ("task", 0.15, True)
-    comera = TrainOptions(steps=300, target_ratio=4, early_steps=200, late_objective="min-max", budget_share=0.75,
-                          reproject=False).for_objective("mlm")
+    comera = plan_training(TrainOptions(steps=300, target_ratio=4, early_steps=200, late_objective="min-max",
+                                        budget_share=0.75, reproject=False), "mlm")
     chosen = (comera.early_steps, comera.late_objective, comera.budget_share, comera.reproject)
     assert chosen == (200, "min-max", 0.75, False)
-    uncut = TrainOptions(steps=300, target_ratio=4, cut_ranks=False).for_objective("mlm")
+    uncut = plan_training(TrainOptions(steps=300, target_ratio=4, cut_ranks=False), "mlm")
     assert uncut.reproject is False  # re-projection rewrites the pairs at the cuts
     assert (mlm.late_objective, mlm.budget_share, mlm.reproject) == (None, None, False)
-    assert not TrainOptions().resolved and mlm.resolved
+    assert TrainOptions().lr_cores is None and mlm.reasons["lr_cores"] == "CoMERA's for pre-training"
+    assert comera.reasons["early_steps"] == "given" and compressing.to_dict()["early_steps"] == 15
 
 
 def test_the_curve_leaves_the_users_matplotlib_backend_alone(tmp_path):
@@ -1473,8 +1476,8 @@ def test_budget_and_reprojection_settings_out_of_range_or_without_a_target_are_r
 @pytest.mark.parametrize("late_objective", ["min-max", "task"])
 def test_below_the_switch_loss_min_max_steps_on_the_ranks_and_task_on_the_task(tmp_path, tokenizer, late_objective):
     model = comera_convert.from_pretrained(compressed(tmp_path, tokenizer, ratio=2))
-    options = TrainOptions(steps=10, early_steps=4, target_ratio=3.0, late_objective=late_objective,
-                           beta=0.01).for_objective("mlm")
+    options = plan_training(TrainOptions(steps=10, early_steps=4, target_ratio=3.0, late_objective=late_objective,
+                           beta=0.01), "mlm")
     controller = RankController(model, options, dense_params=_dense_params(tmp_path / "tt"))
     controller.schedule.observe_loss(3.0)
     controller.switch(4)

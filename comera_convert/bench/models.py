@@ -178,11 +178,12 @@ def cut_to_target(model, target_ratio: float, rank_multiple: int) -> None:
     budget does (the least important first: all alike in an untrained model, so the last of each
     bond), then cut them out of the cores (``cut_closed_ranks``)."""
     from ..training.options import TrainOptions
+    from ..training.plan import plan_training
     from ..training.rank_control import RankController
     from ..training.rank_cuts import cut_closed_ranks
 
     steps = 100  # any: the budget is taken at its schedule's end
-    options = TrainOptions(steps=steps, target_ratio=target_ratio, rank_multiple=rank_multiple).for_objective("clm")
+    options = plan_training(TrainOptions(steps=steps, target_ratio=target_ratio, rank_multiple=rank_multiple), "clm")
     controller = RankController(model, options, model.config.quantization_config.dense_params)
     controller.switch(0)
     controller.enforce_budget(steps)

@@ -12,8 +12,9 @@ import click
 from ..choices import EXPORT_FORMATS, INT8_ARCHES
 from ..errors import ConfigError
 from ..models import TASK_CLASSES
+from ..request import ConvertRequest
 from .group import ARGV_KEY, main
-from .request_options import patterns, request_options
+from .dataclass_options import SectionedCommand, flags_from, patterns
 from .console import console, echo_json, progress_display
 
 
@@ -29,9 +30,9 @@ def _default_out(model: str, ratio, rank) -> str:
     return f"{stem}-tt{ratio:g}" if rank is None else f"{stem}-rank{rank}"
 
 
-@main.command()
+@main.command(cls=SectionedCommand)
 @click.argument("model")
-@request_options
+@flags_from(ConvertRequest)
 @click.option("--no-calibration", is_flag=True, default=False,
               help="Plain TT-SVD of the weights, no calibration text (keeps far less of the model).")
 @click.option("--recipe", default=None, metavar="NAME|FILE",

@@ -1,7 +1,9 @@
 """Rank-adaptive continued pre-training of compressed models (CoMERA), on transformers' Trainer.
 
-options       TrainOptions: CoMERA's constants, validated (what recipes hold)
-rank_control  model size from the gates, its surrogate, pruning, the two stages
+options       TrainOptions: what a run should do, validated (what recipes hold); CoMERA's constants
+plan          plan_training(request, objective): every default by objective, target and cut, with its reason
+rank_control  model size from the gates, its surrogate, closing gates, the staged loss
+stages        when the stages run and the late stage's budget schedule
 budget        the late stage's size budget for --target-ratio
 rank_cuts     closed ranks cut out of the cores (and AdamW's moments) while training
 reprojection  --reproject: low-rank pairs rewritten in their inputs' ordered basis at each cut
@@ -21,8 +23,9 @@ from __future__ import annotations
 import importlib
 
 from .options import TrainOptions
+from .plan import TrainPlan, plan_training
 
-__all__ = ["TrainOptions", "TrainResult", "train"]
+__all__ = ["TrainOptions", "TrainPlan", "TrainResult", "plan_training", "train"]
 
 
 def __getattr__(name: str):

@@ -10,11 +10,11 @@ trains on the task loss and closes ranks by a budget (TARGET_DEFAULTS: measured 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 from ..choices import DISTILL_MODES, DISTILL_STATES, LATE_OBJECTIVES, LR_SCHEDULERS, OBJECTIVES, REPROJECT_AT
 from ..errors import ConfigError, expected
-from ..option_files import from_mapping
+from ..option_files import from_mapping, option
 from .budget import SCHEDULE_SHARE
 
 # Where the conversion cut the factorized layers at least this much (its report's layers_cut),
@@ -99,113 +99,222 @@ class TrainOptions:
 
     Defaults are CoMERA's for pre-training (mlm, clm); options left ``None`` take the distillation recipe's
     measured settings when distilling. Out-of-range values raise ``ConfigError``."""
-    objective: str = "auto"
+
+    CONCERNS = ("run", "optimizer", "stages", "target ratio", "distillation", "hardware")
+    objective: str = option("auto", "run", "Task loss [default: auto].", choices=OBJECTIVES)
     # Natural English of several genres (the built-in corpus); python-stdlib for code models.
-    data: str = "english"
-    steps: int = 1000
+    data: str = option(
+        "english", "run",
+        "Text file, directory, JSONL, dataset name, or a built-in corpus: english [default], "
+        "python-stdlib, english+python-stdlib (both, for distillation).")
+    steps: int = option(1000, "run", "Optimizer steps [default: 1000].", flag=("--max-steps", "--steps"), type=int)
     # A wall-time budget in minutes: training stops when it is spent or at `steps`, whichever comes
     # first, and the learning-rate schedule runs over the first of the two (training/wall_clock.py).
-    minutes: float | None = None
-    seq_len: int = 128
-    batch_size: int = 8  # per device, as TrainingArguments' per_device_train_batch_size
-    gradient_accumulation_steps: int = 1
+    minutes: float | None = option(
+        None, "run",
+        "Wall-time budget: stop when it is spent or at --steps, whichever comes first; the learning rate "
+        "decays over the first of the two.", type=float)
+    seq_len: int = option(128, "run", "Tokens per packed block [default: 128].", type=int)
+    # per device, as TrainingArguments' per_device_train_batch_size
+    batch_size: int = option(
+        8, "run",
+        "Blocks per step and device [default: 8].", flag=("--per-device-train-batch-size", "--batch-size"), type=int)
+    gradient_accumulation_steps: int = option(
+        1, "run",
+        "Steps whose gradients add up before each optimizer step [default: 1].", type=int)
     # CoMERA's three AdamW learning rates (None: by objective, PRETRAINING_DEFAULTS / DISTILL_DEFAULTS):
     # the compressed layers' factors (TT cores, pruned layers' weights), the rank gates, the rest.
-    lr_cores: float | None = None
-    lr_gates: float = 1e-3
-    lr_rest: float | None = None
-    weight_decay: float = 0.01  # cores and dense rest; gates have none (their size term is the regularizer)
-    warmup_steps: int | None = None  # None: 0, or up to 50 to distill
-    lr_scheduler_type: str | None = None  # None: constant (CoMERA), cosine to distill
+    lr_cores: float | None = option(
+        None, "optimizer",
+        "AdamW rate of the compressed layers' factors: TT cores and pruned layers' weights [default: "
+        "1e-4; 1e-3 to distill].", type=float)
+    lr_gates: float = option(1e-3, "optimizer", "AdamW rate of the rank gates [default: 1e-3].", type=float)
+    lr_rest: float | None = option(
+        None, "optimizer",
+        "AdamW rate of dense parameters [default: 5e-5; 1e-4 to distill].", type=float)
+    # cores and dense rest; gates have none (their size term is the regularizer)
+    weight_decay: float = option(
+        0.01, "optimizer",
+        "AdamW's weight decay on the cores and the dense rest; the gates have none [default: 0.01].",
+        type=float, metavar="X")
+    # None: 0, or up to 50 to distill
+    warmup_steps: int | None = option(
+        None, "optimizer",
+        "Steps of linear learning-rate warm-up [default: 0; up to 50, a tenth of the run, to distill].", type=int)
+    # None: constant (CoMERA), cosine to distill
+    lr_scheduler_type: str | None = option(
+        None, "optimizer",
+        "Learning rates after the warm-up: held (CoMERA) or decayed to 0 [default: constant; cosine to "
+        "distill].", choices=LR_SCHEDULERS)
     # Early stage: L + beta * mean(|active gates|). None: 0.01 (CoMERA), 0 to distill without a target ratio.
-    beta: float | None = None
+    beta: float | None = option(None, "stages", "Weight of the rank term, early stage [default: 0.01].", type=float)
     # A gate entry below tau is pruned for good (CoMERA's 1e-2).
-    tau: float = 1e-2
+    tau: float = option(1e-2, "stages", "Gate pruning threshold [default: 1e-2].", type=float)
     # Prune in whole multiples: a bond closes entries only as many at a time as keep its open
     # count a multiple of this (the weakest of those below tau first). 8 keeps bf16 GEMMs on
     # tensor-core shapes, as `comera convert --rank-multiple 8` does. 1 prunes entry by entry (CoMERA).
-    rank_multiple: int = 1
+    rank_multiple: int = option(
+        1, "stages",
+        "Prune so that open ranks stay multiples of this, e.g. 8 for bf16 GPUs [default: 1].", type=int)
     # Steps of the early stage; None = two thirds of `steps` (CoMERA: 20 of 30 epochs), TARGET_EARLY_SHARE
     # of them with a target ratio, or all of them to distill without one.
-    early_steps: int | None = None
+    early_steps: int | None = option(
+        None, "stages",
+        "Steps of the early stage [default: 2/3 of steps, 5 % with --target-ratio].", type=int)
     # Also switch early when the loss stops improving: relative EMA gain below plateau_tol over
     # plateau_window steps. 0 disables the plateau test.
-    plateau_window: int = 0
-    plateau_tol: float = 1e-3
+    plateau_window: int = option(
+        0, "stages",
+        "Also switch stages once the loss's smoothed gain over N steps falls below --plateau-tol "
+        "[default: 0, off].", type=int, metavar="N")
+    plateau_tol: float = option(
+        1e-3, "stages",
+        "The relative gain under which --plateau-window switches stages [default: 1e-3].", type=float, metavar="X")
     # Late stage target size: --target-ratio (whole model, vs the dense source) or, if unset,
     # target_fraction of the TT size at the switch (CoMERA: 0.2).
-    target_ratio: float | None = None
-    target_fraction: float = 0.2
+    target_ratio: float | None = option(
+        None, "target ratio",
+        "Whole-model ratio to reach by the end: ranks close by importance over the late stage (scheduled "
+        "in steps, or with --minutes in the time spent).", type=float)
+    target_fraction: float = option(
+        0.2, "stages",
+        "Without --target-ratio: the late stage's size target as this share of the TT size at the switch "
+        "(CoMERA's) [default: 0.2].", type=float, metavar="X")
     # Share of the late stage over which a --target-ratio budget falls to the target ratio; the rest trains
-    # at the final ranks. None: budget.SCHEDULE_SHARE under a target ratio (for_objective sets it).
-    budget_share: float | None = None
+    # at the final ranks. None: budget.SCHEDULE_SHARE under a target ratio (the training plan sets it).
+    budget_share: float | None = option(
+        None, "target ratio",
+        "Share of the late stage over which --target-ratio closes ranks; the rest trains at the final "
+        "ranks [default: 0.15].", type=float)
     # The fewest entries each bond of the stack's last block keeps under a --target-ratio budget, as a
     # share of its rank as training starts (every other bond keeps a quarter, budget.MIN_KEPT_SHARE).
     # The conversion gives the last block twice the others' rank (--last-block-rank-scale): its error
     # reaches the output with no later layer to compensate it. None: a quarter, as every bond.
-    last_block_floor: float | None = None
+    last_block_floor: float | None = option(
+        None, "target ratio",
+        "Share of its rank at the start that each bond of the last block keeps under --target-ratio "
+        "[default: 0.25, as every bond].", type=float)
     # Late stage target loss L0; None = the (smoothed) loss at the switch.
-    target_loss: float | None = None
+    target_loss: float | None = option(
+        None, "stages",
+        "The late stage's loss target L0 [default: the smoothed loss at the switch].", type=float, metavar="L")
     # The late stage's loss with a --target-ratio budget (choices.LATE_OBJECTIVES). min-max (CoMERA's)
     # steps on the rank surrogate whenever the task loss is below L0, which holds the task loss near
     # the switch's while the budget already sets the size; task trains on the task loss (+ beta * R).
     # None: TARGET_DEFAULTS's under a target ratio (without one the late stage is the min-max).
-    late_objective: str | None = None
+    late_objective: str | None = option(
+        None, "target ratio",
+        "The late stage's loss under --target-ratio: CoMERA's min-max of task loss and rank surrogate, or "
+        "the task loss alone (the budget sets the size) [default: task].", choices=LATE_OBJECTIVES)
     # Weight of the weighted-sum term L + beta * R added to the min-max step in the late stage.
-    late_weighted_sum: float = 0.1
+    late_weighted_sum: float = option(
+        0.1, "stages",
+        "Weight of the weighted-sum term (loss + beta * rank surrogate) added to the late stage's min-max "
+        "step [default: 0.1].", type=float, metavar="X")
     # Weight of the rank surrogate when size is the worse-off objective in the late stage.
-    late_rank_weight: float = 1.0
-    mlm_probability: float = 0.15
+    late_rank_weight: float = option(
+        1.0, "stages",
+        "Weight of the rank surrogate when size is the worse-off objective of the late stage [default: "
+        "1].", type=float, metavar="X")
+    mlm_probability: float = option(
+        0.15, "run",
+        "Share of tokens masked for the mlm objective [default: 0.15].", type=float, metavar="P")
     # Share of the training draws that are a training document's first block ([CLS] and the text
     # from its start, as a sentence encoder embeds it); the rest are packed blocks that start
     # anywhere. 0 (packed blocks only) is pre-training's usual; distilling a sentence encoder
     # gains from matching how its texts begin (the train-minilm-distill recipe: 0.5). None: by objective.
-    document_starts: float | None = None
+    document_starts: float | None = option(
+        None, "distillation",
+        "Share of training draws that are a document's first block [default: 0, packed blocks only; 0.5 "
+        "to distill a sentence encoder].", type=float)
     # Cut each drawn document start to its first k tokens of text, k drawn log-uniformly between
     # this and the block's text length (a fixed draw per copy), so that the student also matches
     # the teacher on texts as short as those a sentence encoder embeds (queries of 5 to 20 tokens,
     # descriptions of 20 to 120). None: every start is a whole block.
-    start_min_tokens: int | None = None
+    start_min_tokens: int | None = option(
+        None, "distillation",
+        "Cut each drawn document start to its first k tokens, k log-uniform from this to the block's "
+        "length (short texts, as an encoder embeds them) [default: whole blocks].", type=int)
     # Keep each drawn document start up to this many tokens (as long as the document runs) where
     # the packed blocks hold seq_len: a sentence encoder embeds texts up to 256 tokens, and a
     # student trained on 128-token blocks alone drifts on the tokens past them. None: seq_len.
-    start_max_tokens: int | None = None
+    start_max_tokens: int | None = option(
+        None, "distillation",
+        "Keep document starts up to this many tokens, past --seq-len (long texts, as an encoder embeds "
+        "them up to 256) [default: --seq-len].", type=int)
     # Every dropout probability of the model while it trains (its nn.Dropout modules, which BERT's
     # and GPT-2's attention also read, and Llama-style attention's float attention_dropout); None
     # keeps the model's own (0 to distill). The saved config keeps its own.
-    dropout: float | None = None
+    dropout: float | None = option(
+        None, "optimizer",
+        "Every dropout probability while training [default: the model's; 0 to distill].", type=float)
     # Activation checkpointing (transformers' gradient checkpointing, layer by layer): each layer's
     # activations are recomputed in backward instead of kept. Less memory, about a third more compute.
-    gradient_checkpointing: bool = False
-    teacher: str | None = None
-    distill_mode: str = "end-to-end"
+    gradient_checkpointing: bool = option(
+        False, "hardware",
+        "Recompute each layer's activations in backward: less memory, more compute.", flag_value=True)
+    teacher: str | None = option(None, "distillation", "Dense teacher for distill [default: the recorded source].")
+    distill_mode: str = option(
+        "end-to-end", "distillation",
+        "Feed each student block the student's own states (end-to-end) or the teacher's (block-wise: each "
+        "block learns its own map) [default: end-to-end].", choices=DISTILL_MODES)
     # The distance of each hidden state to the teacher's: "relative-mse", the squared error relative
     # to the teacher's, which a BERT's few largest hidden dimensions rule, or "cosine", each token's
     # cosine distance, the state's direction that mean pooling reads. None: by the conversion's cut
     # (``default_distill_states``).
-    distill_states: str | None = None
-    logging_steps: int = 10
-    save_steps: int = 500
-    seed: int = 0
-    max_nan_steps: int = 5  # consecutive non-finite losses tolerated (each step skipped) before stopping
-    bf16: bool | None = None  # None = on with CUDA or a CPU with native bf16 (run.default_bf16)
-    compile: bool = False  # torch.compile with CUDA graphs ("reduce-overhead") for the model
+    distill_states: str | None = option(
+        None, "distillation",
+        "Match each hidden state by its squared error relative to the teacher's, or by each token's "
+        "cosine distance [default: cosine where the conversion cut the float factorized layers 3x or "
+        "more, else relative-mse].", choices=DISTILL_STATES)
+    logging_steps: int = option(10, "run", "Log the loss and the ratio every N steps [default: 10].", type=int)
+    save_steps: int = option(
+        500, "run",
+        "Write a checkpoint (truncated to the open ranks) every N steps [default: 500].", type=int)
+    seed: int = option(
+        0, "run",
+        "Random seed of the data order and of any newly initialized head [default: 0].", type=int)
+    # consecutive non-finite losses tolerated (each step skipped) before stopping
+    max_nan_steps: int = option(
+        5, "run",
+        "Consecutive non-finite losses tolerated (each step skipped) before stopping [default: 5].",
+        type=int, metavar="N")
+    # None = on with CUDA or a CPU with native bf16 (run.default_bf16)
+    bf16: bool | None = option(
+        None, "hardware",
+        "bf16 autocast [default: on with CUDA, or on a CPU with AVX512-BF16 or AMX].", flag="--bf16/--no-bf16")
+    # torch.compile with CUDA graphs ("reduce-overhead") for the model
+    compile: bool = option(False, "hardware", "torch.compile with CUDA graphs (fixed shapes).", flag_value=True)
     # Shard the parameters, gradients and AdamW's state across the workers of a torchrun run (FSDP2);
     # the rank gates stay whole on each. Off: DDP under torchrun, every worker holds everything.
-    fsdp: bool = False
+    fsdp: bool = option(
+        False, "hardware",
+        "Shard parameters, gradients and optimizer state across the workers (FSDP2; under torchrun).", flag_value=True)
     # Cut the closed ranks out of the cores, gates and AdamW's moments at the stage switch and at each
     # quarter of the late stage (rank_cuts.py), so that steps get cheaper as ranks close; off, closed
     # ranks stay masks until the export. Never under torchrun (DDP and FSDP keep their shapes).
-    cut_ranks: bool = True
+    cut_ranks: bool = option(
+        True, "target ratio",
+        "Cut closed ranks out of the cores while training, so steps get cheaper as ranks close [default: "
+        "on; never under torchrun].", flag="--cut-ranks/--no-cut-ranks")
     # At the stage switch, rewrite every gated low-rank pair in the basis its inputs order (whitened
     # SVD of the trained pair, reprojection.py), so the budget closes the directions that carry least.
     # None: on under a target ratio where the ranks are cut.
-    reproject: bool | None = None
+    reproject: bool | None = option(
+        None, "target ratio",
+        "At the stage switch, rewrite the low-rank pairs in the basis their inputs order, so "
+        "--target-ratio closes the directions that carry least [default: on with --target-ratio].",
+        flag="--reproject/--no-reproject")
     # When --reproject rewrites the pairs: "switch" (once) or "cuts" (at the switch and at every later
     # rank cut, the Gram matrices gathered afresh in between; no better, docs/findings.md).
-    reproject_at: str = "switch"
-    max_eval_blocks: int = 64
-    version: int = 1
+    reproject_at: str = option(
+        "switch", "target ratio",
+        "Re-project once at the switch, or at the switch and at every later rank cut [default: switch].",
+        choices=REPROJECT_AT)
+    max_eval_blocks: int = option(
+        64, "run",
+        "Held-out blocks the loss is measured on [default: 64].", type=int, metavar="N")
+    version: int = option(1, "run", "The options' format version.", cli=False)
 
     def __post_init__(self):
         self._check_names()
@@ -306,12 +415,13 @@ class TrainOptions:
             raise ConfigError(expected("a target ratio greater than 1", self.target_ratio))
         if self.early_steps is not None and not 0 <= self.early_steps <= self.steps:
             raise ConfigError(expected(f"early_steps between 0 and steps ({self.steps})", self.early_steps))
-        early = self.early_steps if self.early_steps is not None else self._default_early_steps()
+        early = self.early_steps if self.early_steps is not None else self.default_early_steps()
         if self.target_ratio is not None and early >= self.steps:
             raise ConfigError(f"--target-ratio needs a late stage to compress in: {self.steps} steps with "
                               f"{early} early steps leave none (lower --early-steps or raise --steps)")
 
-    def _default_early_steps(self) -> int:
+    def default_early_steps(self) -> int:
+        """The early stage's steps where none are given (``plan_training`` gives them)."""
         if self.target_ratio is not None:
             return max(1, math.ceil(TARGET_EARLY_SHARE * self.steps))
         return max(1, (2 * self.steps) // 3)
@@ -329,37 +439,6 @@ class TrainOptions:
         longer = self.start_max_tokens is not None and self.start_max_tokens > self.seq_len
         return (self.start_min_tokens is not None or longer) and self.document_starts != 0
 
-    @property
-    def resolved(self) -> bool:
-        """Whether every field that defaults by objective is set (``for_objective`` sets them)."""
-        return all(getattr(self, name) is not None
-                   for name in (*PRETRAINING_DEFAULTS, "early_steps", "distill_states"))
-
-    def require_resolved(self, user: str) -> None:
-        """A programming error, not a user's: ``user`` reads fields that default by objective."""
-        if not self.resolved:
-            raise ValueError(f"{user} needs options whose defaults are resolved: "
-                             "TrainOptions.for_objective(objective)")
-
-    def for_objective(self, objective: str, encoder: bool = False, layers_cut: float | None = None) -> "TrainOptions":
-        """These options with every unset (None) field given its default for ``objective`` (mlm, clm
-        or distill); ``encoder``: the student is a sentence encoder (document starts help it);
-        ``layers_cut``: how hard its conversion cut the factorized layers, where recorded."""
-        defaults = dict(PRETRAINING_DEFAULTS, early_steps=self._default_early_steps(), distill_states="relative-mse")
-        if objective == "distill":
-            defaults.update(DISTILL_DEFAULTS, warmup_steps=min(DISTILL_WARMUP, self.steps // 10),
-                            document_starts=DISTILL_DEFAULTS["document_starts"] if encoder else 0.0,
-                            distill_states=default_distill_states(layers_cut))
-            if self.target_ratio is None:
-                defaults.update(early_steps=self.steps)
-            else:
-                defaults.update(beta=PRETRAINING_DEFAULTS["beta"])
-        if self.target_ratio is not None:
-            defaults.update(TARGET_DEFAULTS)
-        defaults.update(reproject=self.reprojects)
-        unset = {name: value for name, value in defaults.items() if getattr(self, name) is None}
-        return replace(self, **unset)
-
     @classmethod
     def from_dict(cls, data: dict, origin: str = "options") -> "TrainOptions":
         """Options from a mapping (a recipe's), listing the valid keys on a typo."""
@@ -368,7 +447,3 @@ class TrainOptions:
     def to_dict(self) -> dict:
         """The options as a plain mapping (what the report and history record)."""
         return asdict(self)
-
-    def schedule(self) -> dict:
-        """The settings of ``SCHEDULE_FIELDS`` (what a training checkpoint records)."""
-        return {name: getattr(self, name) for name in SCHEDULE_FIELDS}

@@ -105,7 +105,6 @@ class RankController:
     staged objective."""
 
     def __init__(self, model: nn.Module, options, dense_params: int):
-        options.require_resolved("RankController")
         if any(isinstance(m, TTModule) for m in model.modules()) and not gated_tt_layers(model):
             raise ConfigError("the model has no rank gates, so CoMERA's rank adaptation cannot run: "
                               "convert it with gates (leave out --no-gates)")

@@ -30,6 +30,7 @@ from .objectives import (BlockCollator, pick_objective, require_same_depth, reso
                          task_loss)
 from .opening import fold_oversized
 from .options import TrainOptions, schedule_mismatch
+from .plan import TrainPlan, plan_training
 from .rank_control import RankController
 from .rank_cuts import step_times
 from .trainer import STATE_FILE, ComeraTrainer, truncated_copy
@@ -99,7 +100,7 @@ def _compression(config: dict, name: str) -> dict:
     return quantization
 
 
-def _load_teacher(options: TrainOptions, quantization: dict, student):
+def _load_teacher(options: TrainPlan, quantization: dict, student):
     from ..models import load_model
 
     source = options.teacher or quantization.get("source")
@@ -174,12 +175,11 @@ def set_dropout(model: torch.nn.Module, p: float) -> None:
             module.attention_dropout = p
 
 
-def training_arguments(options: TrainOptions, output_dir: Path, **overrides):
+def training_arguments(options: TrainPlan, output_dir: Path, **overrides):
     from transformers import TrainingArguments
 
     from .fsdp import world_size
 
-    options.require_resolved("training_arguments")
     cuda = torch.cuda.is_available()
     bf16 = options.bf16 if options.bf16 is not None else default_bf16(cuda)
     kwargs = dict(
@@ -218,7 +218,7 @@ def default_bf16(cuda: bool) -> bool:
     return cuda or native_bf16_cpu()
 
 
-def bf16_warning(options: TrainOptions, cuda: bool) -> str | None:
+def bf16_warning(options: TrainPlan, cuda: bool) -> str | None:
     """One line when bf16 is requested on a CPU that emulates it, else None."""
     if options.bf16 and not cuda and not native_bf16_cpu():
         return ("bf16 on this CPU is emulated (no AVX512-BF16 or AMX): float32 trains faster here, "
@@ -226,7 +226,7 @@ def bf16_warning(options: TrainOptions, cuda: bool) -> str | None:
     return None
 
 
-def _check_lengths(model, options: TrainOptions) -> None:
+def _check_lengths(model, options: TrainPlan) -> None:
     """Refuse blocks longer than the model has positions for (a failure deep in its embeddings at
     the first step otherwise)."""
     longest = max(options.seq_len, options.start_max_tokens or 0)
@@ -271,7 +271,7 @@ class Session:
     path: str
     objective: str
     objective_note: str | None
-    options: TrainOptions  # resolved for the objective
+    options: TrainPlan  # the request planned for the objective
     model: torch.nn.Module
     tokenizer: object
     teacher: torch.nn.Module | None
@@ -324,7 +324,7 @@ def open_session(model_name: str, options: TrainOptions) -> Session:
 
 def _resolved_options(path: str, config: dict, quantization: dict, options: TrainOptions):
     """(objective, note, options for it, whether a distilled encoder): the objective picked from the
-    checkpoint, and the options it implies (``TrainOptions.for_objective``)."""
+    checkpoint, and the plan of the options it implies (``plan_training``)."""
     objective, note = pick_objective(options.objective, config, options.teacher or quantization.get("source"))
     encoder = objective == "distill" and resolve_objective("auto", config) == "mlm"
     for flag, value in (("--distill-mode", options.distill_mode != "end-to-end" and options.distill_mode),
@@ -335,7 +335,7 @@ def _resolved_options(path: str, config: dict, quantization: dict, options: Trai
     # level with it on an int4 checkpoint (docs/findings.md).
     cut = None if quantization.get("storage") else recorded_layers_cut(path, options.target_ratio)
     by_cut = objective == "distill" and options.distill_states is None and cut is not None
-    options = options.for_objective(objective, encoder, cut)
+    options = plan_training(options, objective, encoder, cut)
     if by_cut:
         how = "the target ratio cuts the factorized layers at least" if options.target_ratio else \
             "the conversion cut the factorized layers"
@@ -344,7 +344,7 @@ def _resolved_options(path: str, config: dict, quantization: dict, options: Trai
     return objective, note, options, encoder
 
 
-def _student(path: str, objective: str, options: TrainOptions) -> torch.nn.Module:
+def _student(path: str, objective: str, options: TrainPlan) -> torch.nn.Module:
     """The compressed model as it trains: its head for the objective, its dropout, and (integer factors) on
     its grid."""
     from ..hf.loading import from_pretrained
@@ -465,7 +465,7 @@ def _write(result: TrainResult, trainer, session: Session, sharding, out: Path, 
         torch.distributed.barrier()  # every worker returns once the trained model is written
 
 
-def _resume_point(checkpoints: Path, resume: bool, options: TrainOptions) -> str | None:
+def _resume_point(checkpoints: Path, resume: bool, options: TrainPlan) -> str | None:
     from .fsdp import OPTIMIZER_FOLDER
 
     fsdp = options.fsdp
@@ -485,7 +485,7 @@ def _resume_point(checkpoints: Path, resume: bool, options: TrainOptions) -> str
     return resume_from
 
 
-def _check_resumed_schedule(checkpoint: str, options: TrainOptions) -> None:
+def _check_resumed_schedule(checkpoint: str, options: TrainPlan) -> None:
     """Refuse to resume ``checkpoint`` on another rank schedule than it was trained on; a checkpoint
     of a release that recorded none is resumed on the command's, with a warning."""
     state_path = Path(checkpoint) / STATE_FILE
@@ -573,7 +573,7 @@ def collapse(kept_before: float | None, kept_after: float | None, ratio_before: 
         f"size; a smaller --lr-cores or a later stage switch (--early-steps) usually steadies it")
 
 
-def _record(result: TrainResult, options: TrainOptions, cosines: bool) -> dict:
+def _record(result: TrainResult, options: TrainPlan, cosines: bool) -> dict:
     """What the report keeps of the run."""
     record = {"objective": result.objective, "steps": result.steps,
               "held_out_loss_before": result.held_out_before, "held_out_loss_after": result.held_out_after}
@@ -591,7 +591,7 @@ def _record(result: TrainResult, options: TrainOptions, cosines: bool) -> dict:
     if result.task_pairs:
         record.update(held_out_recall_kept_before=result.task_before, held_out_recall_kept_after=result.task_after,
                       held_out_pairs=result.task_pairs)
-    return {**record, "options": options.to_dict()}
+    return {**record, "options": options.to_dict(), "plan": options.describe()}
 
 
 def with_document_starts(blocks: Blocks, share: float, min_tokens: int | None = None,

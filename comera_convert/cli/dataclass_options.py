@@ -1,8 +1,9 @@
-"""`comera convert`'s flags, generated from the request's fields (``request.py``): each field's help,
-choices, type and flag name are written once, on the field, so the CLI cannot drift from the library.
+"""`comera convert`'s and `comera train`'s flags, generated from the fields of ConvertRequest
+(``request.py``) and TrainOptions (``training/options.py``): each field's help, choices, type and flag name
+are written once, on the field (``option_files.option``), so the CLI cannot drift from the library.
 
 Every flag defaults to None ("not given"), so that a recipe's value stands unless the flag overrides it;
-the "[default: ...]" in each help says what the plan or the request then chooses.
+the "[default: ...]" in each help says what the plan or the options then choose.
 """
 
 from __future__ import annotations
@@ -14,19 +15,41 @@ from pathlib import Path
 import click
 
 from ..errors import ConfigError
-from ..request import request_fields
+from ..option_files import offered_fields
 
 
-def request_options(command):
-    """Decorate a click command with one option per request field, in the order of their concerns."""
-    for spec in reversed(request_fields()):
-        command = click.option(*_names(spec), **_settings(spec))(command)
-    return command
+def flags_from(cls):
+    """A decorator adding to a click command one option per offered field of ``cls``, in the order of their
+    concerns; each fills the parameter of the field's name and is listed under its concern in --help
+    (with ``SectionedCommand``)."""
+    def decorate(command):
+        for spec in reversed(offered_fields(cls)):
+            command = click.option(*_names(spec), **_settings(spec))(command)
+            command.__click_params__[-1].concern = spec.metadata["concern"]
+        return command
+    return decorate
 
 
-def _names(spec: Field) -> tuple[str, str]:
-    """The flag's declaration and the parameter it fills: the field's name, whatever the flag is called."""
-    return spec.metadata.get("flag") or "--" + spec.name.replace("_", "-"), spec.name
+class SectionedCommand(click.Command):
+    """A command whose --help lists its options under their concerns ("Rank budget options:", ...), the
+    command's own options last."""
+
+    def format_options(self, ctx, formatter) -> None:
+        sections: dict[str, list] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                sections.setdefault(getattr(param, "concern", "other"), []).append(record)
+        sections["other"] = sections.pop("other", [])  # the command's own, after the concerns
+        for concern, records in sections.items():
+            with formatter.section(f"{concern[0].upper()}{concern[1:]} options"):
+                formatter.write_dl(records)
+
+
+def _names(spec: Field) -> tuple[str, ...]:
+    """The flag's declarations and the parameter it fills: the field's name, whatever the flag is called."""
+    flag = spec.metadata.get("flag") or "--" + spec.name.replace("_", "-")
+    return (*((flag,) if isinstance(flag, str) else flag), spec.name)
 
 
 def _settings(spec: Field) -> dict:
@@ -34,7 +57,7 @@ def _settings(spec: Field) -> dict:
     settings = {"default": None, "help": meta["help"]}
     if "flag_value" in meta:  # a flag that turns a default off (--no-gates)
         return {**settings, "is_flag": True, "flag_value": meta["flag_value"]}
-    if "/" in (meta.get("flag") or ""):  # --compensate/--no-compensate
+    if "/" in str(meta.get("flag") or ""):  # --compensate/--no-compensate
         return settings
     if "choices" in meta:
         settings["type"] = click.Choice(meta["choices"])
