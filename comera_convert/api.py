@@ -17,8 +17,11 @@ from pathlib import Path
 from torch import nn
 
 from .conversion import Calibration, ConversionReport, ConvertRequest, calibrate, plan
+from .conversion.hooks import IN_MEMORY, ModuleHooks
+from .hf.carry import carry_files
 from .hf.loading import decompress_model, from_pretrained
-from .hf.saving import check_output_dir, shard_kwargs
+from .hf.model_card import source_card, write_dense_card
+from .hf.saving import atomic_directory, check_output_dir, shard_kwargs
 from .models import resolve
 from .pipeline.run import ConversionResult, convert_model
 from .pipeline.run import convert_checkpoint as run_pipeline
@@ -44,8 +47,8 @@ def convert(model: nn.Module, options: ConvertRequest | None = None, *, calibrat
     its TT module once in place (streaming conversion).
     """
     request = with_overrides(options, overrides)
-    return convert_model(model, plan(request, model), calibration=calibration, source=source,
-                         progress=progress, load=load, release=release)
+    hooks = ModuleHooks(progress or IN_MEMORY.progress, load, release)
+    return convert_model(model, plan(request, model), calibration=calibration, source=source, hooks=hooks)
 
 
 def with_overrides(options: ConvertRequest | None, overrides: dict) -> ConvertRequest:
@@ -79,10 +82,6 @@ def decompress(model_name: str, out, *, overwrite=False, progress: Progress | No
                max_shard_size: int | str | None = None) -> Path:
     """Write an ordinary dense checkpoint of a compressed one (atomically), with every non-weight
     file of it (sentence-transformers modules, tokenizer) and the source's model card."""
-    from .hf.carry import carry_files
-    from .hf.model_card import source_card, write_dense_card
-    from .hf.saving import atomic_directory
-
     progress = progress or no_progress
     sharding = shard_kwargs(max_shard_size)
     out = check_output_dir(out, overwrite)

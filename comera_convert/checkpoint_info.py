@@ -12,7 +12,7 @@ from .hf.checkpoint_check import read_header
 from .hf.config import compression_of
 from .hf.integer_storage import SCALE_SUFFIX
 from .hf.model_card import source_card
-from .models import read_config, resolve
+from .models import not_found_error, read_config, resolve
 
 
 @dataclass
@@ -44,7 +44,6 @@ def _weight_files(path: str) -> list[Path]:
 
         return [Path(hf_hub_download(path, "model.safetensors"))]
     except Exception as err:
-        from .models import not_found_error
 
         raise not_found_error(path, err) from None
 

@@ -27,12 +27,24 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .conversion import count_params
+from .conversion.pruning import pruned_partner
+from .conversion.report import REPORT_FILE, read_report
+from .conversion.targets import matches
 from .errors import ConfigError, expected
-from .text import BUILTIN_SOURCES, CORPORA, documents, held_out_documents
+from .hf.config import compression_of
+from .hf.files import write_text_atomic
+from .hf.loading import from_pretrained
+from .hf.model_card import source_card, write_model_card
+from .hf.saving import weight_bytes
 from .hf.sentence_config import read_pipeline, sentence_embeddings
+from .layers.swap import set_submodule
+from .models import load_model, load_tokenizer, read_config, resolve
+from .peers import float_bytes, rounding_peers
 from .progress import Progress, no_progress
 from .retrieval import PASSAGES_PER_PAIR, kept, model_retrieval, pairs_from_texts, read_pairs, retrieval_scores
-from .training.objectives import BlockCollator
+from .text import BUILTIN_SOURCES, CORPORA, documents, held_out_documents
+from .training.objectives import BlockCollator, resolve_objective
 
 DEFAULT_DOMAINS = CORPORA  # english and python-stdlib: prose and code
 
@@ -50,7 +62,6 @@ def held_out_texts(source: str, count: int) -> list[str]:
 
 
 def _kind(config: dict) -> str:
-    from .training.objectives import resolve_objective
 
     objective = resolve_objective("auto", config)
     architectures = " ".join(config.get("architectures") or [])
@@ -146,6 +157,7 @@ class Task:
 def worst_domain(domains: dict[str, dict]) -> str:
     """The domain the compressed model is furthest from its reference: the lowest mean cosine for
     encoders, the largest rise of the loss over the reference's for causal LMs."""
+
     def gap(metrics: dict) -> float:
         if "mean_cosine" in metrics:
             return -metrics["mean_cosine"]
@@ -215,10 +227,6 @@ class Compared:
 def load_compared(compressed_name: str, reference_name: str | None = None, command: str = "comera eval",
                   progress: Progress = no_progress) -> Compared:
     """The compressed checkpoint and its dense reference (the recorded source unless named), in eval mode."""
-    from .hf.config import compression_of
-    from .hf.loading import from_pretrained
-    from .models import load_model, load_tokenizer, read_config, resolve
-
     path = resolve(compressed_name)
     config = read_config(path)
     source = reference_name or (compression_of(config) or {}).get("source")
@@ -241,10 +249,6 @@ def restore_dense(compressed: torch.nn.Module, reference: torch.nn.Module, patte
     pattern (a glob or a dot-separated part, as `comera convert --exclude` takes them), and the other
     side of each pruned feed-forward pair so chosen; returns the names put back. Raises ConfigError
     for a pattern that matches no compressed module."""
-    from .conversion.pruning import pruned_partner
-    from .conversion.targets import matches
-    from .layers.swap import set_submodule
-
     compressed_modules = dict(compressed.named_modules())
     replaced = [name for name, module in reference.named_modules()
                 if name in compressed_modules and not list(module.children())
@@ -328,11 +332,6 @@ def _domains(sources, pair_files, compared, texts: int, seq_len: int, progress) 
 def _peers(compressed, reference, path, source, config, tasks, per_domain, progress) -> dict:
     """The peers' metrics on the same domains, every model's bytes (``sizes``) and notes on the peers
     that could not run."""
-    from .conversion import count_params
-    from .hf.saving import weight_bytes
-    from .models import resolve
-    from .peers import float_bytes, rounding_peers
-
     own_bytes, dense_params = weight_bytes(path), count_params(reference)
     sizes = {"dense": {"parameters": dense_params, "bytes": float_bytes(reference)},
              "compressed": {"parameters": count_params(compressed), "bytes": own_bytes}}
@@ -361,11 +360,6 @@ def pair_domain_name(file, taken) -> str:
 
 def record_in_report(path: str, metrics: dict) -> None:
     """Add the metrics to the checkpoint's comera_report.json and its model card (atomically)."""
-    from .conversion.report import REPORT_FILE, read_report
-    from .hf.model_card import source_card, write_model_card
-    from .hf.files import write_text_atomic
-    from .hf.saving import weight_bytes
-
     report = read_report(path)
     if report is None:
         return

@@ -16,8 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ConfigError
-from .evaluation import (DEFAULT_DOMAINS, MODEL2VEC_MISSING, Task, _kind, domain_pairs, static_baseline,
-                         static_dims)
+from .evaluation import DEFAULT_DOMAINS, MODEL2VEC_MISSING, Task, _kind, domain_pairs, static_baseline, static_dims
+from .hf.config import compression_of
+from .hf.loading import from_pretrained
+from .hf.saving import weight_bytes
+from .models import load_model, load_tokenizer, read_config, resolve
+from .peers import float_bytes, rounding_peers
 from .progress import Progress, no_progress
 from .retrieval import kept, model_retrieval, read_pairs
 
@@ -61,12 +65,6 @@ def size_frontier(models: list[str], pairs=(), texts: int = 200, seq_len: int = 
                   progress: Progress = no_progress) -> dict:
     """The frontier of ``models`` (compressed checkpoints of one source) and, with ``peers``, of that
     source's peers, on the built-in held-out pairs and the ``pairs`` files (a domain each)."""
-    from .hf.config import compression_of
-    from .hf.loading import from_pretrained
-    from .hf.saving import weight_bytes
-    from .models import load_model, load_tokenizer, read_config, resolve
-    from .peers import float_bytes, rounding_peers
-
     paths = [resolve(name) for name in models]
     configs = [read_config(path) for path in paths]
     sources = {(compression_of(c) or {}).get("source") for c in configs}
@@ -126,7 +124,6 @@ def _static_points(source_path, byte_counts: list[int], config: dict, tasks: dic
 
 
 def _one_source_error(models: list[str], configs: list[dict]) -> str:
-    from .hf.config import compression_of
 
     recorded = {name: (compression_of(c) or {}).get("source") for name, c in zip(models, configs)}
     return ("the frontier compares compressed checkpoints of one source model: "

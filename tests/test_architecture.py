@@ -172,3 +172,31 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     graph, users = part_graph(fake)
     assert graph["conversion"] == {"hf"} and layer_of("hf") > layer_of("conversion")
     assert users["conversion"] == {"conversion/bad.py"}
+
+
+# Modules that import the package's own modules inside functions, and why: the CLI so that every --help stays
+# torch-free and quick; the others each say why on the import's line.
+LAZY_IMPORTERS = {"cli"}
+LAZY_WITH_A_REASON = {"request.py", "hf/registration.py", "pipeline/run.py"}
+
+
+def test_own_modules_are_imported_at_the_top_except_where_a_reason_is_given():
+    lazy = []
+    for path in ROOT.rglob("*.py"):
+        relative = str(path.relative_to(ROOT))
+        source = path.read_text()
+        lines = source.splitlines()
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for sub in ast.walk(node):
+                name = (sub.module or "") if isinstance(sub, ast.ImportFrom) else \
+                    sub.names[0].name if isinstance(sub, ast.Import) else None
+                own = name is not None and (getattr(sub, "level", 0) or name.startswith("comera_convert"))
+                if not own or relative.split("/")[0] in LAZY_IMPORTERS:
+                    continue
+                reasoned = relative in LAZY_WITH_A_REASON and (
+                    "#" in lines[sub.lineno - 1] or lines[sub.lineno - 2].strip().startswith("#"))
+                if not reasoned:
+                    lazy.append(f"{relative}:{sub.lineno}")
+    assert lazy == [], f"imported inside a function without a reason: {lazy}"

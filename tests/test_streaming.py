@@ -409,10 +409,10 @@ def test_the_layers_left_dense_are_read_and_written_out_one_at_a_time(tmp_path, 
 
 
 def test_a_calibrated_model_without_a_stack_of_blocks_is_loaded_whole_with_its_memory_cost(tmp_path, monkeypatch):
-    from comera_convert.conversion import targets
+    from comera_convert.pipeline import sources
 
     dense, _, cls = _with_tokenizer(tmp_path, "llama-clm")
-    monkeypatch.setattr(targets, "find_blocks", lambda model: None)
+    monkeypatch.setattr(sources, "find_blocks", lambda model: None)  # where the source looks for the stack
     options = ConvertOptions(ratio=2, calibration="english", calibration_sequences=16, calibration_seq_len=32)
     result = convert_checkpoint(str(dense), tmp_path / "tt", options)
     assert "streamed" not in result.report.extra and "calibration" in result.report.extra

@@ -859,10 +859,10 @@ def _count(state):
 
 
 def test_disk_full_while_saving_leaves_no_partial_checkpoint(tmp_path, tokenizer, corpus, monkeypatch):
-    from comera_convert.hf import saving
+    from comera_convert.training import trainer as trainer_module
 
     path = compressed(tmp_path, tokenizer)
-    real = saving.save_compressed
+    real = trainer_module.save_compressed
     calls = {"n": 0}
 
     def flaky(model, out, **kwargs):
@@ -871,7 +871,7 @@ def test_disk_full_while_saving_leaves_no_partial_checkpoint(tmp_path, tokenizer
             raise OSError(28, "No space left on device")
         return real(model, out, **kwargs)
 
-    monkeypatch.setattr(saving, "save_compressed", flaky)
+    monkeypatch.setattr(trainer_module, "save_compressed", flaky)  # as the trainer writes each checkpoint
     with pytest.raises(ComeraError, match="could not write checkpoint-12 .No space left on device.: removed"):
         train(str(path), TrainOptions(objective="mlm", data=str(corpus), **FAST), tmp_path / "out")
     assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == ["checkpoint-6"]

@@ -7,6 +7,8 @@ import copy
 import torch
 from torch import nn
 
+from ..conversion.allocate import LayoutChoice, allocate_ranks
+from ..conversion.targets import find_candidates
 from ..layers import TTEmbedding, TTLinear
 from ..tt import linear_forward_flops, num_params
 from ..tt.counting import dense_linear_flops
@@ -20,9 +22,6 @@ QUICK_SHAPES = [(128, 128), (128, 512)]
 def ratio4_rank(quick: bool) -> int:
     """The shared rank `comera convert bert-base --ratio 4` allocates (computed on a meta-device model)."""
     from transformers import BertConfig, BertForMaskedLM
-
-    from ..conversion.allocate import LayoutChoice, allocate_ranks
-    from ..conversion.targets import find_candidates
 
     config = BertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512) \
         if quick else BertConfig()

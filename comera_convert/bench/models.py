@@ -16,7 +16,16 @@ from pathlib import Path
 
 import torch
 
+import comera_convert
+from comera_convert.hf.saving import save_compressed
+from comera_convert.models import auto_class_for, read_config
+
 from ..errors import ConfigError, expected
+from ..training.attention import use_training_attention
+from ..training.options import TrainOptions
+from ..training.plan import plan_training
+from ..training.rank_control import RankController
+from ..training.rank_cuts import cut_closed_ranks
 from .timing import PeakMemory, graphed, median_seconds
 
 # The TT variants' conversions: CoMERA's configuration (every linear tt at ranks 30, embeddings
@@ -117,9 +126,6 @@ def save_variants(directory: Path, quick: bool, bases=TRAIN_VARIANTS, model_name
                   device: str = "cpu") -> dict[str, str]:
     """Random-weight checkpoints of the dense model and its TT conversions, by (base) variant, each
     initialized and converted on ``device`` (a 1.1 B model's TT-SVDs take seconds on a GPU)."""
-    import comera_convert
-    from comera_convert.hf.saving import save_compressed
-
     paths, saved = {}, {}
     for variant in bases:
         conversion = repr(TT_CONVERSIONS.get(variant))  # variants converted alike share one checkpoint
@@ -145,14 +151,11 @@ def save_variants(directory: Path, quick: bool, bases=TRAIN_VARIANTS, model_name
 def load_variant(variant: str, path: str, device: str, capturable: bool = False):
     """(model, optimizer) for one training-step variant, float32 weights (``capturable``: AdamW state
     on the device, as CUDA-graph capture needs)."""
-    import comera_convert
-
     if variant in TT_CONVERSIONS:
         model = comera_convert.from_pretrained(path)
         if variant in RANK_CUT_TARGETS:
             cut_to_target(model.to(device), RANK_CUT_TARGETS[variant], TT_CONVERSIONS[variant].get("rank_multiple", 1))
     else:
-        from comera_convert.models import auto_class_for, read_config
 
         model = auto_class_for(read_config(path)).from_pretrained(path)  # the recorded architecture
     model.to(device).train()
@@ -177,11 +180,6 @@ def cut_to_target(model, target_ratio: float, rank_multiple: int) -> None:
     """Close the model's gate entries down to ``target_ratio`` as the end of a `--target-ratio` run's
     budget does (the least important first: all alike in an untrained model, so the last of each
     bond), then cut them out of the cores (``cut_closed_ranks``)."""
-    from ..training.options import TrainOptions
-    from ..training.plan import plan_training
-    from ..training.rank_control import RankController
-    from ..training.rank_cuts import cut_closed_ranks
-
     steps = 100  # any: the budget is taken at its schedule's end
     options = plan_training(TrainOptions(steps=steps, target_ratio=target_ratio, rank_multiple=rank_multiple), "clm")
     controller = RankController(model, options, model.config.quantization_config.dense_params)
@@ -194,6 +192,7 @@ def training_step(model, optimizer, ids, compute_dtype=torch.float32):
     """The measured step: a masked-LM loss on ``ids``, its backward and the optimizer's step. A
     ``compute_dtype`` other than float32 trains as `comera train --bf16` does: the weights and the
     optimizer state stay float32, the forward and the loss run under autocast."""
+
     def step():
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast(ids.device.type, compute_dtype, enabled=compute_dtype != torch.float32):
@@ -208,8 +207,6 @@ def train_step_child(variant: str, path: str, batch: int, seq: int, device: str,
     """One variant in a fresh process: its peak memory above the post-import baseline covers the
     weights, gradients, optimizer state and activations of training (in ``dtype_name`` under
     autocast, see ``training_step``: casting the weights would measure another training)."""
-    from ..training.attention import use_training_attention
-
     compute_dtype = getattr(torch, dtype_name)
     base, suffix = split_variant(variant)
     with_graph = suffix in (GRAPH_SUFFIX, COMPILED_SUFFIX)
@@ -297,8 +294,6 @@ def _run_child(variant, path, batch, seq, device, dtype, repeats) -> dict:
 def inference_case(device: str, dtype, quick: bool, repeats: int) -> list[dict]:
     from transformers import BertModel
 
-    import comera_convert
-
     seq = 32 if quick else 128
     torch.manual_seed(0)
     dense = BertModel(bert_config(quick)).to(device=device, dtype=dtype).eval()
@@ -331,9 +326,6 @@ def inference_case(device: str, dtype, quick: bool, repeats: int) -> list[dict]:
 
 def convert_case(device: str, dtype, quick: bool, repeats: int) -> list[dict]:
     from transformers import BertForMaskedLM
-
-    import comera_convert
-    from comera_convert.hf.saving import save_compressed
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:

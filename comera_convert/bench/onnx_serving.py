@@ -18,6 +18,10 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from ..hf.onnx_export import write_graphs
+from ..hf.onnx_int8 import require_onnxruntime, this_machine_arch
+from .openvino_serving import OpenVinoEncoder
+
 DENSE_ONNX, DENSE_ONNX_INT8 = "dense, ONNX Runtime", "dense, ONNX Runtime int8 (sentence-transformers' quantization)"
 OURS_ONNX, OURS_ONNX_INT8 = "comera, ONNX Runtime", "comera, ONNX Runtime int8"
 
@@ -45,9 +49,6 @@ class OnnxEncoder(nn.Module):
 
 def onnx_methods(reference: nn.Module, compressed: nn.Module, tokenizer, progress) -> dict[str, OnnxEncoder]:
     """The four ONNX Runtime methods, their graphs written to a temporary folder, read, and removed."""
-    from ..hf.onnx_export import write_graphs
-    from ..hf.onnx_int8 import require_onnxruntime, this_machine_arch
-
     require_onnxruntime("comera bench serving")
     arch = this_machine_arch()
     methods = {}
@@ -64,8 +65,6 @@ def onnx_methods(reference: nn.Module, compressed: nn.Module, tokenizer, progres
 def peer_methods(files) -> dict[str, nn.Module]:
     """A method for each graph made elsewhere, named after its folder and file: ONNX Runtime runs an .onnx
     file, OpenVINO an .xml one."""
-    from .openvino_serving import OpenVinoEncoder
-
     return {f"peer: {file.parent.name}/{file.name}": (OpenVinoEncoder if file.suffix == ".xml" else OnnxEncoder)(file)
             for file in map(Path, files)}
 

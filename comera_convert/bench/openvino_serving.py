@@ -17,6 +17,9 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from ..hf.onnx_export import DEFAULT_OPSET
+from ..hf.openvino_export import compile_graph, require_openvino, run_graph, write_openvino_graphs
+
 DENSE_OPENVINO = "dense, OpenVINO"
 DENSE_OPENVINO_INT8 = "dense, OpenVINO int8 (NNCF, as sentence-transformers quantizes)"
 OURS_OPENVINO, OURS_OPENVINO_INT8 = "comera, OpenVINO", "comera, OpenVINO int8"
@@ -27,7 +30,6 @@ class OpenVinoEncoder(nn.Module):
     the precision OpenVINO picks for this CPU (bfloat16 where it has the instructions), as it serves."""
 
     def __init__(self, file: Path):
-        from ..hf.openvino_export import compile_graph
 
         super().__init__()
         weights = file.with_suffix(".bin")
@@ -36,7 +38,6 @@ class OpenVinoEncoder(nn.Module):
         self.anchor = nn.Parameter(torch.zeros(0), requires_grad=False)  # retrieval.embed() reads the device
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, **_):
-        from ..hf.openvino_export import run_graph
 
         given = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
         feeds = {name: value.numpy() for name, value in given.items() if value is not None}
@@ -45,9 +46,6 @@ class OpenVinoEncoder(nn.Module):
 
 def openvino_methods(reference: nn.Module, compressed: nn.Module, tokenizer, progress) -> dict[str, OpenVinoEncoder]:
     """The four OpenVINO methods, their graphs written to a temporary folder, compiled, and removed."""
-    from ..hf.onnx_export import DEFAULT_OPSET
-    from ..hf.openvino_export import require_openvino, write_openvino_graphs
-
     require_openvino("comera bench serving's OpenVINO rows")
     methods = {}
     for names, model, where in [((DENSE_OPENVINO, DENSE_OPENVINO_INT8), reference, "dense"),

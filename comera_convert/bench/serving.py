@@ -26,7 +26,12 @@ from itertools import zip_longest
 import torch
 
 from ..errors import ConfigError
+from ..evaluation import load_compared, pair_domain_name
+from ..hf.openvino_export import openvino_installed
+from ..layers import use_int8_compute
+from ..retrieval import held_out_pairs, kept, model_retrieval, read_pairs
 from .onnx_serving import graph_megabytes, onnx_methods, peer_methods
+from .openvino_serving import openvino_methods
 
 BATCH = 32  # sentence-transformers' default encode batch
 SEQ_LEN = 256  # tokens a text is cut to (the longest MiniLM and MPNet sentence models embed)
@@ -43,8 +48,6 @@ def quantized_dense(reference: torch.nn.Module) -> torch.nn.Module:
 
 def int8_compute_copy(compressed: torch.nn.Module) -> torch.nn.Module:
     """The compressed model with int8 GEMMs (a copy)."""
-    from ..layers import use_int8_compute
-
     model = copy.deepcopy(compressed)
     use_int8_compute(model)
     return model
@@ -115,9 +118,6 @@ def serving_case(checkpoint: str, reference_name: str | None, pair_files, texts:
     compressed model in ONNX Runtime and, where it is installed, OpenVINO, float and int8, and each graph of
     ``peers`` (``onnx_serving.py``, ``openvino_serving.py``);
     texts are embedded ``batch`` at a time (1: one request at a time, as an online service embeds)."""
-    from ..evaluation import load_compared
-    from ..retrieval import kept, model_retrieval
-
     progress = progress or (lambda message: None)
     if compile_models:
         require_cpp_compiler()
@@ -151,9 +151,6 @@ def serving_case(checkpoint: str, reference_name: str | None, pair_files, texts:
 
 def _pair_domains(pair_files, texts: int) -> dict:
     """Query/document pairs by domain: each of ``pair_files``, else the english corpus's held-out pairs."""
-    from ..evaluation import pair_domain_name
-    from ..retrieval import held_out_pairs, read_pairs
-
     domains = {}
     for file in pair_files:
         domains[pair_domain_name(file, domains)] = read_pairs(file, texts)
@@ -171,9 +168,6 @@ def _row(name: str, model, case: str, shape: str, per_second: float, speed: floa
 
 def runtime_methods(compared, progress, peers) -> dict:
     """The ONNX Runtime methods, the OpenVINO ones where OpenVINO is installed, and the peers' graphs."""
-    from ..hf.openvino_export import openvino_installed
-    from .openvino_serving import openvino_methods
-
     methods = onnx_methods(compared.reference, compared.compressed, compared.tokenizer, progress)
     if openvino_installed():
         methods.update(openvino_methods(compared.reference, compared.compressed, compared.tokenizer, progress))

@@ -7,6 +7,7 @@ calibration  input statistics for data-aware conversion (calibrate)
 plan         plan(request, model): every default derived once, with its reason
 records      module records <-> TT modules (shared by convert, save and load)
 converter    convert_modules(): the in-place swap
+hooks        ModuleHooks: progress, and streaming, each module's weights handed in and its TT module taken out
 report       ConversionReport
 
 Nothing here imports transformers: ``comera_convert.convert`` (api.py) adds what makes the

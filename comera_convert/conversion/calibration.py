@@ -20,10 +20,11 @@ from functools import partial
 import torch
 from torch import nn
 
-from ..request import CALIBRATION_BATCH
 from ..errors import ConfigError
+from ..request import CALIBRATION_BATCH
+from ..text import read_for, sample
 from ..tt import weighted
-from .targets import Candidate
+from .targets import Candidate, find_candidates
 
 logger = logging.getLogger("comera_convert")
 
@@ -136,8 +137,6 @@ def calibrate(model: nn.Module, tokenizer, data: str = DEFAULT_CALIBRATION,
     takes; its training split). The blocks start at documents spread evenly over the text (one
     per document while there are enough), so they see many documents rather than the first few;
     the input embedding's token frequencies count all the text read (``COUNTED_TOKENS`` at most)."""
-    from .targets import find_candidates
-
     candidates = find_candidates(model, targets, exclude, d)[0]
     plan = plan_calibration(model, candidates, tokenizer, data, sequences, seq_len)
     stats = collect(model, candidates, plan.batches, source=data, min_sequences=plan.needed)
@@ -166,8 +165,6 @@ class CalibrationPlan:
 def plan_calibration(model: nn.Module, candidates: list[Candidate], tokenizer, data: str, sequences: int,
                      seq_len: int) -> CalibrationPlan:
     """Read ``data`` into ``sequences`` blocks of ``seq_len`` tokens in batches, refusing too few."""
-    from ..text import read_for, sample
-
     seq_len = min(seq_len, max_positions(model) or seq_len)
     needed = required_sequences(candidates, seq_len)
     if sequences < needed:

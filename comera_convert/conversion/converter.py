@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
 
 from torch import nn
 
@@ -21,6 +20,7 @@ from ..layers.tt_linear import dense_weight_of
 from ..tt.decompose import matrix_to_cores
 from .allocate import LayoutChoice
 from .calibration import Calibration, correct_bias, weighted_decomposer
+from .hooks import IN_MEMORY, ModuleHooks
 from .plan import ConvertPlan
 from .pruning import compensate_up, ffn_pairs, kept_multiple, kept_neurons, prune_pair
 from .records import tie_head
@@ -34,19 +34,15 @@ logger = logging.getLogger("comera_convert")
 
 
 def convert_modules(model: nn.Module, options: ConvertPlan, calibration: Calibration | None = None,
-                    progress: Callable[[str, int, int], None] | None = None, source: str | None = None,
-                    load: Callable[[str], None] | None = None,
-                    release: Callable[[str], None] | None = None) -> ConversionReport:
-    """Swap ``model``'s modules for TT modules in place, as ``options`` say; returns the report.
+                    hooks: ModuleHooks = IN_MEMORY, source: str | None = None) -> ConversionReport:
+    """Swap ``model``'s modules for TT modules in place, as ``options`` (the request's plan) say; returns
+    the report.
 
     calibration: ``calibrate(model, tokenizer, data)``'s statistics: each layer's decomposition then
         minimizes its error on those inputs (activation-aware TT-SVD; token-frequency-weighted
         embeddings) instead of its weight error.
-    progress: called as progress(module name, index, count) before each module is converted.
-    load: called with a module's name just before it is decomposed, for a model whose weights are
-        not in memory yet (streaming conversion: ``pipeline/streaming.py``).
-    release: called with a module's name once its TT module is in place (streaming conversion
-        writes it out and frees it: ``pipeline/spool.py``).
+    hooks: who hears of each module (progress) and, streaming, hands its weights in (load) and takes its
+        TT module out (release): ``hooks.py``.
 
     Pure torch: what makes the result a transformers model that saves and loads compressed is
     ``comera_convert.convert`` (the public verb), which calls this and then the hf layer.
@@ -58,7 +54,7 @@ def convert_modules(model: nn.Module, options: ConvertPlan, calibration: Calibra
     if not candidates:
         raise ConfigError(_nothing_to_convert(model, skipped))
     choice = layout_choice(model, candidates, options)
-    allocation = _allocate(model, candidates, params_before, options, choice, calibration, progress)
+    allocation = _allocate(model, candidates, params_before, options, choice, calibration, hooks.progress)
     for candidate, spec in zip(candidates, allocation.specs):
         if spec is None:
             skipped[candidate.name] = (f"TT at rank {allocation.shared_rank} would not be smaller"
@@ -67,7 +63,7 @@ def convert_modules(model: nn.Module, options: ConvertPlan, calibration: Calibra
     if options.request.ffn == "prune" and not ffn_pairs(candidates, allocation.specs):
         logger.warning("--ffn prune found no feed-forward pair to prune (a BERT-family block's intermediate.dense "
                        "-> output.dense, both compressed): the feed-forward layers are low-rank")
-    swap_in(model, candidates, allocation.specs, options, calibration, progress, load=load, release=release)
+    swap_in(model, candidates, allocation.specs, options, calibration, hooks)
     _tie_heads(model, tied, {c.name for c, s in zip(candidates, allocation.specs) if s is not None}, skipped)
     report = describe(model, skipped=skipped, target_ratio=options.ratio, shared_rank=allocation.shared_rank,
                       seconds=time.perf_counter() - start, params_before=params_before, source=source)
@@ -143,11 +139,10 @@ def on_device(decompose, device: str):
 
 
 def swap_in(model: nn.Module, candidates, specs, options: ConvertPlan, calibration: Calibration | None = None,
-            progress: Callable[[str, int, int], None] | None = None,
-            load: Callable[[str], None] | None = None, release: Callable[[str], None] | None = None) -> None:
+            hooks: ModuleHooks = IN_MEMORY) -> None:
     """Replace each candidate that has a spec by its TT module (``_tt_module``) or codebook table
-    (fit by k-means to its rows); a None spec leaves it dense. ``load``
-    and ``release`` (streaming) bracket each module: ``convert_modules`` says what they do."""
+    (fit by k-means to its rows); a None spec leaves it dense. ``hooks`` hear of each module and,
+    streaming, bracket it (``hooks.py``)."""
     pairs = ffn_pairs(candidates, specs) if options.ffn == "prune" else {}
     if pairs and calibration is None:
         raise ConfigError("--ffn prune refits each pruned feed-forward pair on calibration text: convert with "
@@ -156,10 +151,9 @@ def swap_in(model: nn.Module, candidates, specs, options: ConvertPlan, calibrati
     for index, (candidate, spec) in enumerate(zip(candidates, specs)):
         if spec is None:
             continue
-        if progress is not None:
-            progress(candidate.name, index, len(candidates))
-        if load is not None:
-            load(candidate.name)
+        hooks.progress(candidate.name, index, len(candidates))
+        if hooks.streaming:
+            hooks.load(candidate.name)
         if candidate.name in pairs:  # up: stays dense until down's inputs are recorded through it
             compensate_up(candidate.module, candidate.name, calibration)
             _round_for_storage(candidate.module, options, candidate.name)  # by row: the kept rows as stored
@@ -171,7 +165,7 @@ def swap_in(model: nn.Module, candidates, specs, options: ConvertPlan, calibrati
             for old, new in zip((up, candidate), prune_pair(up.module, candidate.module, kept, candidate.name,
                                                             calibration)):
                 _round_for_storage(new, options, old.name)
-                _put_in_place(model, old, new, load, release)
+                _put_in_place(model, old, new, hooks)
             continue
         if isinstance(spec, CodebookSpec):
             new = CodebookEmbedding.from_embedding(candidate.module, spec.subspaces, spec.codewords,
@@ -179,17 +173,17 @@ def swap_in(model: nn.Module, candidates, specs, options: ConvertPlan, calibrati
             _round_for_storage(new, options, candidate.name)
         else:
             new = _tt_module(candidate, spec, options, calibration)
-        _put_in_place(model, candidate, new, load, release)
+        _put_in_place(model, candidate, new, hooks)
 
 
-def _put_in_place(model: nn.Module, candidate, new: nn.Module, load, release) -> None:
+def _put_in_place(model: nn.Module, candidate, new: nn.Module, hooks: ModuleHooks) -> None:
     """``new`` in the candidate's place; streaming, the dense weights read for it let go and the new
-    module handed to ``release``."""
+    module handed to ``hooks.release``."""
     set_submodule(model, candidate.name, new)
-    if load is not None:  # streaming: the dense weight read for this layer is not needed again
+    if hooks.streaming:  # the dense weight read for this layer is not needed again
         candidate.module.to("meta")
-    if release is not None:
-        release(candidate.name)
+    if hooks.release is not None:
+        hooks.release(candidate.name)
 
 
 def _tt_module(candidate, spec, options: ConvertPlan, calibration: Calibration | None) -> TTModule:

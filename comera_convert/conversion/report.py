@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from ..errors import ModelLoadError
+from ..layers import CodebookEmbedding, PrunedLinear, TiedTTHead, TTModule
 from .model_facts import count_params
 
 REPORT_FILE = "comera_report.json"
@@ -46,6 +48,7 @@ class ConversionReport:
     """What a conversion did: parameters before and after, each converted module's layout and ranks, what stayed
     dense and why, and the conversion's extra facts (calibration, allocation, errors before and after
     reconstruction)."""
+
     model_class: str
     params_before: int
     params_after: int
@@ -91,8 +94,6 @@ def read_report(directory) -> ConversionReport | None:
     not a report is a one-line error."""
     from pathlib import Path
 
-    from ..errors import ModelLoadError
-
     path = Path(directory) / REPORT_FILE
     if not path.is_file():
         return None
@@ -117,8 +118,6 @@ def describe(model, **fields) -> ConversionReport:
     The dense parameter count comes from the model's compression record; ``fields`` fill the
     rest (skipped modules, timing, target ratio) where the caller knows them.
     """
-    from ..layers import CodebookEmbedding, PrunedLinear, TiedTTHead, TTModule
-
     rows = []
     for name, module in model.named_modules():
         if isinstance(module, TTModule):

@@ -19,9 +19,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..choices import FLOAT_STORAGE, INTEGER_STORAGE as INTEGER_BITS
+from ..choices import FLOAT_STORAGE
+from ..choices import INTEGER_STORAGE as INTEGER_BITS
 from ..errors import ConfigError, expected
 from ..integer import IntegerFormat, dequantize, quantize
+from ..layers import CodebookEmbedding, PrunedLinear, TTModule
+from ..layers.base import core_channel_axis
 
 STORAGE_DTYPES = {name: getattr(torch, name) for name in FLOAT_STORAGE}
 # int4 keeps a scale per this many values of a channel: finer groups round closer and cost more
@@ -66,8 +69,6 @@ def integer_axes(model: nn.Module) -> dict[str, int]:
     codebook table's centres (one channel per slice) and every other float matrix of at least
     MIN_INTEGER_VALUES values (a channel per row). Vectors (norms, biases, gates) stay float, and so
     does a matrix held in two places (a dense table and the head tied to it)."""
-    from ..layers import CodebookEmbedding, TTModule
-    from ..layers.base import core_channel_axis
 
     uses: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
@@ -112,8 +113,6 @@ def train_on_the_grid(model: nn.Module, fmt: IntegerFormat | None) -> None:
     """Make every TT layer, codebook table and pruned linear that integer storage rounds run on its
     factors rounded to ``fmt`` (None: on the floats again): training then learns what integer
     storage keeps."""
-    from ..layers import CodebookEmbedding, PrunedLinear, TTModule
-
     rounded = integer_axes(model)
     for name, module in model.named_modules():
         if isinstance(module, (TTModule, CodebookEmbedding)):

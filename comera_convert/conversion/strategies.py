@@ -20,7 +20,9 @@ from torch import nn
 from ..errors import ConfigError
 from .allocate import LayoutChoice, allocate_ranks
 from .calibration import Calibration
-from .learned import LearnedRanks
+from .experimental.measured import allocate_measured
+from .experimental.sensitivity import allocate_by_sensitivity
+from .learned import STEP_SEQUENCES, LearnedRanks, learn_rank_scales
 from .plan import ConvertPlan
 from .targets import Candidate, attention_output_in, find_blocks, last_block_prefix
 
@@ -128,8 +130,6 @@ def learn_allocation(request: AllocationRequest, batches: list) -> LearnedRanks:
     none after it, and learned it lost rank to earlier blocks. On all-mpnet-base-v2 at --ratio 4
     that cost 0.02-0.04 of cosine on every held-out domain; kept at 2x, the learned allocation gains
     cosine on every domain (docs/findings.md)."""
-    from .learned import learn_rank_scales
-
     plan = _uniform_plan(request)
     stack = find_blocks(request.model)
     if stack is None:
@@ -149,8 +149,6 @@ def learn_allocation(request: AllocationRequest, batches: list) -> LearnedRanks:
 
 def probe_batches(calibration: Calibration) -> list:
     """The calibration's probe sequences in batches of the learning's size."""
-    from .learned import STEP_SEQUENCES
-
     if calibration.probe is None or calibration.probe.shape[0] < 2 * STEP_SEQUENCES:
         raise ConfigError("allocation 'learned' needs calibration sequences to learn on: build the calibration with "
                           "calibrate(), or give rank_scales")
@@ -158,7 +156,6 @@ def probe_batches(calibration: Calibration) -> list:
 
 
 def measured(request: AllocationRequest) -> Allocation:
-    from .experimental.measured import allocate_measured
 
     calibration = _needs_calibration(request)
     if calibration.probe is None:
@@ -174,7 +171,6 @@ def measured(request: AllocationRequest) -> Allocation:
 
 
 def sensitivity(request: AllocationRequest) -> Allocation:
-    from .experimental.sensitivity import allocate_by_sensitivity
 
     specs, estimated = allocate_by_sensitivity(request.candidates, request.params_before, request.options.ratio,
                                                request.choice, _needs_calibration(request))

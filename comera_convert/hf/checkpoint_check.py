@@ -13,7 +13,9 @@ import struct
 
 import torch
 
+from ..conversion.records import tensor_shapes
 from ..errors import ModelLoadError
+from ..layers import CodebookEmbedding, TTEmbedding, TTModule
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
 
@@ -64,8 +66,6 @@ def aliases(key: str, prefix: str) -> list[str]:
 def check_row_orders(model) -> None:
     """Refuse a reordered embedding whose stored ``row_of_token`` is not a permutation of its token
     ids (a table from another vocabulary, or a damaged file): it would load with its rows shuffled."""
-    from ..layers import TTEmbedding
-
     for name, module in model.named_modules():
         rows = getattr(module, "row_of_token", None) if isinstance(module, TTEmbedding) else None
         if rows is None or rows.is_meta:
@@ -80,8 +80,6 @@ def check_row_orders(model) -> None:
 def check_codes(model) -> None:
     """Refuse a codebook table whose stored codes name centres its codebooks do not have (a damaged
     file, or codes of another table): the rows would be read from the wrong centres."""
-    from ..layers import CodebookEmbedding
-
     for name, module in model.named_modules():
         if not isinstance(module, CodebookEmbedding) or module.codes.is_meta:
             continue
@@ -93,9 +91,6 @@ def check_codes(model) -> None:
 
 def check_tensors_match(model, checkpoint_files) -> None:
     """Every TT tensor the model expects is stored, with the recorded shape."""
-    from ..conversion.records import tensor_shapes
-    from ..layers import CodebookEmbedding, TTModule
-
     stored = stored_shapes(checkpoint_files)
     prefixes = [name + "." for name, m in model.named_modules() if isinstance(m, (TTModule, CodebookEmbedding))]
     prefix = getattr(model, "base_model_prefix", "")

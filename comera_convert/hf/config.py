@@ -11,6 +11,8 @@ import weakref
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from ..conversion.records import format_version, records_of
+from ..conversion.storage import INTEGER_BITS, integer_format
 from ..errors import ModelLoadError, expected
 
 QUANT_METHOD = "comera"
@@ -65,8 +67,6 @@ class ComeraConfig(QuantizationConfigMixin):
 
     def integer_format(self):
         """The IntegerFormat the factors are stored in, or None for float storage."""
-        from ..conversion.storage import INTEGER_BITS, integer_format
-
         if self.storage is None:
             return None
         name = self.storage.get("format")
@@ -84,7 +84,6 @@ class ComeraConfig(QuantizationConfigMixin):
         self._model = weakref.ref(model)
 
     def to_dict(self) -> dict:
-        from ..conversion.records import format_version, records_of
 
         model = self._model() if self._model is not None else None
         modules = records_of(model) if model is not None else self.modules

@@ -18,9 +18,16 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..layers import TTModule
+from ..models import load_tokenizer, resolve
 from ..progress import Progress, no_progress
+from .config import COMPRESSION_KEYS
+from .loading import from_pretrained
 from .onnx_export import DEFAULT_OPSET, DTYPES, INT8_NOTE, MIN_OPSET, ONNX_FOLDER, QUANTIZE, OnnxExport, write_graphs
-from .openvino_export import OPENVINO_FOLDER
+from .onnx_int8 import check_arch, require_onnxruntime, this_machine_arch
+from .openvino_export import OPENVINO_FOLDER, require_openvino, write_openvino_graphs
+from .saving import atomic_directory, check_output_dir
+from .sentence_config import read_modules
 
 FORMATS = {"onnx": ONNX_FOLDER, "openvino": OPENVINO_FOLDER}  # each runtime's graphs, and the folder they go in
 # A sentence-transformers model's files beside its module folders (the tokenizer is saved anew).
@@ -57,10 +64,6 @@ def export_model(model_name: str, out=None, *, opset: int = DEFAULT_OPSET, dtype
     """Export the checkpoint ``model_name`` to ``onnx/`` (``fmt="openvino"``: ``openvino/``) in ``out`` (a copy
     of the checkpoint without its weights), else in the checkpoint itself, atomically; ``quantize="int8"``
     adds the int8 graph (ONNX: for ``arch``, this machine's where None)."""
-    from ..models import load_tokenizer, resolve
-    from .loading import from_pretrained
-    from .saving import atomic_directory
-
     torch_dtype = check_request(opset, dtype, quantize, fmt, arch)
     arch = _require_runtime(fmt, quantize, arch)
     path = Path(resolve(model_name))
@@ -85,9 +88,6 @@ def export_model(model_name: str, out=None, *, opset: int = DEFAULT_OPSET, dtype
 
 def _require_runtime(fmt: str, quantize: str | None, arch: str | None) -> str | None:
     """Refuse a request whose runtime is not installed; the ONNX int8 graph's architecture."""
-    from .onnx_int8 import check_arch, require_onnxruntime, this_machine_arch
-    from .openvino_export import require_openvino
-
     if fmt == "openvino":
         require_openvino("--format openvino")
         return None
@@ -97,7 +97,6 @@ def _require_runtime(fmt: str, quantize: str | None, arch: str | None) -> str | 
 
 
 def _write_format(fmt, model, tokenizer, directory: Path, opset, quantize, arch, progress) -> OnnxExport:
-    from .openvino_export import write_openvino_graphs  # imports OpenVINO: only for that format
 
     if fmt == "openvino":
         return write_openvino_graphs(model, tokenizer, directory, opset=opset, quantize=quantize, progress=progress)
@@ -107,8 +106,6 @@ def _write_format(fmt, model, tokenizer, directory: Path, opset, quantize, arch,
 def _destination(path: Path, out, overwrite: bool, graphs: str = ONNX_FOLDER) -> tuple[Path, Path]:
     """(the folder that will hold the ``graphs`` folder, the folder written atomically): ``out`` whole, or
     the checkpoint's ``graphs`` folder alone."""
-    from .saving import check_output_dir
-
     if out is not None:
         out = check_output_dir(out, overwrite)
         return out, out
@@ -141,8 +138,6 @@ def _copy_sentence_modules(source: Path, directory: Path) -> None:
     so that the copy embeds as the checkpoint does."""
     import shutil
 
-    from .sentence_config import read_modules
-
     for name in SENTENCE_FILES:
         if (source / name).is_file():
             shutil.copy2(source / name, directory / name)
@@ -160,7 +155,6 @@ def _int8_notes(result: OnnxExport) -> list[str]:
 
 
 def _sentence_notes(source: Path) -> list[str]:
-    from .sentence_config import read_modules
 
     if read_modules(source) is not None:
         return []
@@ -170,8 +164,6 @@ def _sentence_notes(source: Path) -> list[str]:
 
 def _layout_notes(model: nn.Module) -> list[str]:
     """ttm layers export correctly but run slowly in onnxruntime (docs/findings.md)."""
-    from ..layers import TTModule
-
     ttm = [name for name, module in model.named_modules() if isinstance(module, TTModule) and module.layout == "ttm"]
     if not ttm:
         return []
@@ -183,8 +175,6 @@ def _write_config(config, directory: Path) -> None:
     """The architecture's config.json without comera's records: the graph holds the weights, and
     a loader that saw ``quantization_config`` would look for comera's modules."""
     import json
-
-    from .config import COMPRESSION_KEYS
 
     data = {k: v for k, v in config.to_dict().items() if k not in COMPRESSION_KEYS}
     (directory / "config.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")

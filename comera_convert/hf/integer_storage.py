@@ -24,6 +24,7 @@ from ..conversion.storage import integer_axes
 from ..errors import ModelLoadError
 from ..integer import IntegerFormat, dequantize, quantize
 from .checkpoint_check import aliases, read_header
+from .compat import saved_tensor_names
 from .files import SAFETENSORS_DTYPES, SHARD_PATTERN, write_index, write_model_files
 
 SCALE_SUFFIX = "_scale"
@@ -49,8 +50,6 @@ def write_integer_checkpoint(model: nn.Module, directory: Path, fmt: IntegerForm
     dense matrices rounded to ``fmt`` (the model itself is left as it is)."""
     from huggingface_hub import split_state_dict_into_shards_factory
     from safetensors.torch import save_file
-
-    from .compat import saved_tensor_names
 
     state, axes = model.state_dict(), integer_axes(model)
     tensors = {}

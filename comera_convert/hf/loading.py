@@ -9,14 +9,15 @@ import torch
 from torch import nn
 
 from ..errors import ModelLoadError
+from ..layers import CodebookEmbedding, PrunedLinear, TiedTTHead, TTEmbedding, TTLinear
 from ..layers.swap import set_submodule
+from ..models import load_model, read_config, resolve
 from .checkpoint_check import read_header
 from .compat import forget_compression
 from .config import QUANT_METHOD, compression_of
 
 
 def is_compressed_dir(path: str | os.PathLike) -> bool:
-    from ..models import read_config
 
     return compression_of(read_config(str(path))) is not None
 
@@ -27,8 +28,6 @@ def from_pretrained(path: str | os.PathLike, task: str | None = None, **kwargs):
     ``task`` ("base", "mlm", "clm", "seq-cls") picks an Auto class instead; ``kwargs`` go to
     transformers' ``from_pretrained`` (dtype, device_map, ...).
     """
-    from ..models import load_model, resolve
-
     resolved = resolve(str(path))
     if not is_compressed_dir(resolved):
         raise ModelLoadError(f"{path} is not a comera compressed checkpoint (its config.json has no "
@@ -74,8 +73,6 @@ def decompress_model(model: nn.Module) -> nn.Module:
 
     A head tied to a converted embedding becomes a Linear tied to the dense embedding again.
     """
-    from ..layers import CodebookEmbedding, PrunedLinear, TiedTTHead, TTEmbedding, TTLinear
-
     name_of = {id(m): n for n, m in model.named_modules()}
     heads = []
     for name, module in list(model.named_modules()):

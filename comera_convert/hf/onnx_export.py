@@ -23,6 +23,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..progress import Progress, no_progress
+from .onnx_int8 import external_data, int8_file_name, quantize_int8
 
 ONNX_FOLDER = "onnx"  # where sentence-transformers and optimum look for graphs
 ONNX_FILE = "model.onnx"
@@ -113,6 +114,7 @@ def eager_attention(model: nn.Module):
 @dataclass
 class Reference:
     """The tokenized sample every exported graph is checked on, and PyTorch's output for it."""
+
     sample: dict
     output_name: str
     expected: torch.Tensor
@@ -127,7 +129,6 @@ def reference_outputs(model: nn.Module, tokenizer) -> Reference:
 
 
 def _write_graphs(model, tokenizer, directory: Path, opset, quantize, arch, prepare, progress) -> OnnxExport:
-    from .onnx_int8 import int8_file_name, quantize_int8
 
     reference = reference_outputs(model, tokenizer)
     torch_dtype = next(model.parameters()).dtype
@@ -152,8 +153,6 @@ def _into_one_file(file: Path) -> None:
     """Fold the exporter's external weight file into the graph where protobuf allows it: one file to ship,
     and the layout sentence-transformers' own exports have."""
     import onnx
-
-    from .onnx_int8 import external_data
 
     data = external_data(file)
     if not data or sum(p.stat().st_size for p in data) > ONE_FILE_BYTES:

@@ -25,6 +25,7 @@ import torch
 
 from ..errors import ConfigError
 from ..progress import Progress, no_progress
+from ..text import training_documents
 from .onnx_export import TOLERANCE, eager_attention, reference_outputs, relative_error, write_graphs
 
 OPENVINO_FOLDER = "openvino"  # where sentence-transformers and optimum-intel look for OpenVINO graphs
@@ -87,8 +88,6 @@ def quantize_static(graph, tokenizer, tokens: int = CALIBRATION_TOKENS):
     """``graph`` with int8 weights and activations by NNCF's post-training quantization for transformers,
     calibrated on the training split of the package's english corpus, each text cut to ``tokens``."""
     import nncf
-
-    from ..text import training_documents
 
     names = [port.get_any_name() for port in graph.inputs]
     texts = list(islice(training_documents(CALIBRATION_SOURCE), CALIBRATION_TEXTS))

@@ -26,7 +26,7 @@ def register_with_transformers() -> None:
 
 
 def _register() -> None:
-    from .quantizer import register
+    from .quantizer import register  # only once transformers' quantizers have loaded (see above)
 
     register()
 

@@ -24,8 +24,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from ..conversion.report import REPORT_FILE, describe
 from ..errors import ConfigError, expected
+from .carry import carry_files
 from .config import WEIGHTS_GUARD, integer_format_of
+from .integer_storage import write_integer_checkpoint
+from .model_card import source_card, write_model_card
 
 REMOTE_MODULE = "comera_remote"
 # Auto classes a checkpoint can be opened with, by the transformers mapping that lists them.
@@ -194,11 +198,6 @@ def save_compressed(model, out: str | os.PathLike, *, report=None, source=None,
     written with its factors rounded to it (``integer_storage.py``), unless ``integers`` is False
     (training checkpoints keep the floats they resume from).
     """
-    from ..conversion.report import REPORT_FILE, describe
-    from .carry import carry_files
-    from .integer_storage import write_integer_checkpoint
-    from .model_card import source_card, write_model_card
-
     out = check_output_dir(out, overwrite)
     fmt = integer_format_of(model) if integers else None
     if write_weights is None and fmt is not None:

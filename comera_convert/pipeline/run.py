@@ -17,27 +17,31 @@ from pathlib import Path
 from torch import nn
 
 from ..conversion import Calibration, ConversionReport, ConvertPlan, ConvertRequest, convert_modules, plan
+from ..conversion.calibration import plan_calibration
+from ..conversion.hooks import IN_MEMORY, ModuleHooks
+from ..conversion.converter import allocation_request
+from ..conversion.learned import LEARNING_SEQUENCES, STEP_SEQUENCES
 from ..conversion.plan import finite_cut
 from ..conversion.report import lineage
 from ..conversion.storage import integer_storage, round_in_place, storage_record
+from ..conversion.strategies import learn_allocation
+from ..errors import ConfigError, ModelLoadError
 from ..hf.compat import untie_converted_heads
 from ..hf.config import ComeraConfig
 from ..hf.saving import check_disk_space, check_output_dir, save_compressed, shard_kwargs, weight_bytes
 from ..hf.sentence_config import check_modules, sentence_task
-from ..models import load_model, read_config, resolve
+from ..models import load_model, load_tokenizer, read_config, resolve
 from ..progress import Progress, no_progress
 from .sources import open_source, streams
 
 
 def convert_model(model: nn.Module, options: ConvertPlan, *, calibration: Calibration | None = None,
-                  source: str | None = None, progress=None, load=None, release=None) -> ConversionReport:
+                  source: str | None = None, hooks: ModuleHooks = IN_MEMORY) -> ConversionReport:
     """Convert ``model`` in place as ``options`` (the request's plan for it) say (``comera_convert.convert``
     is the public verb): the in-place swap (``conversion``), the heads untied from converted tables, integer
     rounding of what is left dense, and the marks that make it save and load as a compressed model.
-    ``load(name)`` gives a module its weights just before it is decomposed and ``release(name)`` takes
-    its TT module once in place (the streamed stages pass both)."""
-    report = convert_modules(model, options, calibration=calibration, progress=progress, source=source, load=load,
-                             release=release)
+    ``hooks``: who hears of each module and, streaming, hands its weights in and takes it out."""
+    report = convert_modules(model, options, calibration=calibration, hooks=hooks, source=source)
     report.extra["plan"] = options.describe()
     if finite_cut(options) is not None:
         report.extra["layers_cut"] = finite_cut(options)
@@ -46,7 +50,9 @@ def convert_model(model: nn.Module, options: ConvertPlan, *, calibration: Calibr
     if fmt is not None:  # the layers left dense too: in memory the model is what its checkpoint holds
         round_in_place(model, fmt)
     storage = storage_record(options.dtype, options.group_size) if fmt is not None else None
-    from ..hf.quantizer import mark_converted  # transformers' quantizers: loaded when a model is converted
+    # Imported here: importing it loads transformers' quantizers, whose loading registers the "comera" method
+    # from this very module (hf/registration.py), so it must not load while this module does.
+    from ..hf.quantizer import mark_converted
 
     mark_converted(model, ComeraConfig(source=source, dense_params=report.params_before, storage=storage))
     return report
@@ -64,6 +70,7 @@ def storage_name(options: ConvertPlan) -> str | None:
 class ConversionResult:
     """What ``convert_checkpoint`` wrote: the folder, its report, the seconds of each stage, its bytes on disk and
     the notes the user should read (a default that could not apply)."""
+
     out: Path
     report: ConversionReport
     timings: dict[str, float]
@@ -164,10 +171,8 @@ def _convert(source, out, options: ConvertPlan, calibration, model_name: str, no
              progress) -> ConversionReport:
     """The modules converted as the source hands them over, and the model left as its checkpoint stores it."""
     source.begin(out, options)
-    load, release = source.hooks()
-    report = convert_model(source.model, options, calibration=calibration, source=model_name,
-                           progress=lambda name, index, total: progress(f"converting {name}", index, total),
-                           load=load, release=release)
+    hooks = source.hooks(lambda name, index, total: progress(f"converting {name}", index, total))
+    report = convert_model(source.model, options, calibration=calibration, source=model_name, hooks=hooks)
     source.finish(report, options, notes)
     return report
 
@@ -187,13 +192,6 @@ def _learn_allocation(model_name: str, path: str, request: ConvertRequest, task,
     learned allocation's ranks learned on ``LEARNING_SEQUENCES`` of the calibration text, before the
     conversion streams with them."""
     import torch
-
-    from ..conversion.calibration import plan_calibration
-    from ..conversion.converter import allocation_request
-    from ..conversion.learned import LEARNING_SEQUENCES, STEP_SEQUENCES
-    from ..conversion.strategies import learn_allocation
-    from ..errors import ConfigError
-    from ..models import load_tokenizer
 
     if not request.calibration:
         raise ConfigError("allocation 'learned' learns the ranks on calibration text: give --calibration DATA "
@@ -225,9 +223,6 @@ def _check_room(out: Path, path: str, request: ConvertRequest) -> None:
 
 def _tokenizer_or_none(path: str):
     """The model's tokenizer, or None where it has no tokenizer files."""
-    from ..errors import ModelLoadError
-    from ..models import load_tokenizer
-
     try:
         return load_tokenizer(path, "calibration")
     except ModelLoadError:

@@ -20,9 +20,15 @@ import time
 from torch import nn
 
 from ..conversion import Calibration, ConvertPlan, ConvertRequest, calibrate, plan
+from ..conversion.calibration import plan_calibration
+from ..conversion.hooks import ModuleHooks
 from ..conversion.storage import cast_for_storage, integer_storage
+from ..conversion.targets import find_blocks, find_candidates
 from ..hf.saving import weight_bytes
 from ..models import load_model, load_tokenizer
+from .compensating import CompensatingCalibration
+from .sequential import SequentialCalibration
+from .streaming import Streamed, streamable
 
 # A conversion of a model loaded whole peaks at about twice its checkpoint's bytes
 # (BENCHMARKS.md#conversion-time-and-memory).
@@ -47,10 +53,10 @@ class WholeSource:
     def begin(self, out, options: ConvertPlan) -> None:
         """Before the first module is converted."""
 
-    def hooks(self):
-        """(load, release): what the conversion calls before decomposing a module and once its TT module is in
-        place; None where the weights are in memory already."""
-        return None, None
+    def hooks(self, progress) -> ModuleHooks:
+        """What the conversion calls for each module: ``progress``, and streaming, ``load`` before decomposing
+        it and ``release`` once its TT module is in place."""
+        return ModuleHooks(progress)
 
     def finish(self, report, options: ConvertPlan, notes: list[str]) -> None:
         """After the last module: the model as its checkpoint stores it."""
@@ -84,8 +90,8 @@ class StreamedSource(WholeSource):
     def begin(self, out, options: ConvertPlan) -> None:
         self.streamed.open_spool(out, options.dtype, integer_storage(options.dtype, options.group_size))
 
-    def hooks(self):
-        return self.streamed.loader(self.model), self.streamed.releaser(self.model)
+    def hooks(self, progress) -> ModuleHooks:
+        return ModuleHooks(progress, self.streamed.loader(self.model), self.streamed.releaser(self.model))
 
     def finish(self, report, options: ConvertPlan, notes: list[str]) -> None:
         self.streamed.finish(self.model)
@@ -108,8 +114,8 @@ class SequentialSource(StreamedSource):
     def calibration(self, options: ConvertPlan, tokenizer, progress) -> Calibration:
         return self.sequential.stats  # filled block by block as the conversion reaches each block
 
-    def hooks(self):
-        return self.sequential.prepare, self.sequential.release
+    def hooks(self, progress) -> ModuleHooks:
+        return ModuleHooks(progress, self.sequential.prepare, self.sequential.release)
 
     def finish(self, report, options: ConvertPlan, notes: list[str]) -> None:
         self.sequential.finish()
@@ -129,8 +135,6 @@ class SequentialSource(StreamedSource):
 def streams(path: str, options: ConvertRequest) -> bool:
     """Whether this conversion streams: one of a local safetensors checkpoint whose allocation needs no
     model in memory (uniform, or learned with its scales known)."""
-    from .streaming import streamable
-
     known = options.allocation == "uniform" or (options.allocation == "learned" and options.rank_scales is not None)
     return known and streamable(path)
 
@@ -140,8 +144,6 @@ def open_source(model_name: str, path: str, request: ConvertRequest, task, token
     """(the source, the request's plan for the source's model: on the meta device where it streams).
     Streamed where it can stream, sequential where it also calibrates; else loaded whole, with a note saying
     why."""
-    from .streaming import Streamed
-
     if streams(path, request):
         streamed = Streamed(path)
         model = streamed.skeleton(task)
@@ -172,11 +174,6 @@ def whole_load_memory(path: str) -> str:
 def _sequential_calibration(model, streamed, path, options: ConvertPlan, tokenizer=None):
     """A calibration run block by block as a streamed conversion reaches each block, or None where
     the model has no stack of blocks."""
-    from ..conversion.calibration import plan_calibration
-    from ..conversion.targets import find_blocks, find_candidates
-    from .compensating import CompensatingCalibration
-    from .sequential import SequentialCalibration
-
     blocks = find_blocks(model)
     if blocks is None:
         return None

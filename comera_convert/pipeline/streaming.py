@@ -22,11 +22,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..conversion.storage import cast_for_storage, integer_axes
 from ..errors import ModelLoadError
 from ..hf.checkpoint_check import aliases, read_header_and_start
 from ..hf.compat import retie_dense_heads
 from ..hf.files import GENERATION_FILE, INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE
-
+from ..hf.integer_storage import stored_entries
+from ..models import auto_class_for, read_config
+from .spool import WeightSpool
 
 
 class SafetensorsSource:
@@ -174,8 +177,6 @@ class Streamed:
     def skeleton(self, task: str | None = None) -> nn.Module:
         from transformers import AutoConfig
 
-        from ..models import auto_class_for, read_config
-
         config = AutoConfig.from_pretrained(self.path)
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -202,8 +203,6 @@ class Streamed:
         """Converted layers will be written to a hidden spool file beside ``out`` (cast to the float
         ``storage_dtype`` first, or rounded to ``integer_format``, when given) and freed; ``close``
         removes it."""
-        from .spool import WeightSpool
-
         out.parent.mkdir(parents=True, exist_ok=True)
         handle, name = tempfile.mkstemp(prefix=f".{out.name}.spool-", dir=out.parent)
         os.close(handle)
@@ -214,9 +213,6 @@ class Streamed:
 
     def spill(self, model: nn.Module, name: str) -> None:
         """Write module ``name`` (cast to the storage dtype) to the spool and free its memory."""
-        from ..conversion.storage import cast_for_storage, integer_axes
-        from ..hf.integer_storage import stored_entries
-
         if self.storage_dtype is not None:
             cast_for_storage(model.get_submodule(name), self.storage_dtype)
         stored = None

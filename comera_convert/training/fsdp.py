@@ -30,6 +30,7 @@ from torch import nn
 
 from ..conversion.targets import find_blocks
 from ..errors import ConfigError
+from ..hf.compat import check_sharded_training, mark_sharded
 from ..pipeline.spool import meta_parameter, replace_tensors
 from ..pipeline.streaming import give_back_free_memory
 
@@ -45,8 +46,6 @@ def check_fsdp_possible() -> None:
     """--fsdp splits the model across workers: refuse a single process, a torch without FSDP2's
     ``fully_shard`` (public from 2.6) and a transformers whose Trainer cannot train a model sharded
     before it."""
-    from ..hf.compat import check_sharded_training
-
     if world_size() < 2:
         raise ConfigError("--fsdp shards the model across workers: start the run under torchrun with two or "
                           "more processes (torchrun --nproc_per_node N -m comera_convert train ... --fsdp)")
@@ -71,6 +70,7 @@ def meta_twin(model: nn.Module) -> nn.Module:
 def fill(twin: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Put the gathered ``state`` into the twin's parameters; a parameter used in several places
     (tied weights) gets one tensor, found under any of its names."""
+
     names: dict[int, list[str]] = {}
     for name, param in twin.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
@@ -91,8 +91,6 @@ class Sharding:
     def __init__(self, model: nn.Module):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-
-        from ..hf.compat import mark_sharded
 
         self.twin = meta_twin(model) if dist.get_rank() == 0 else None
         device = next(model.parameters()).device

@@ -18,22 +18,29 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ComeraError, ConfigError, ModelLoadError
 from ..conversion.calibration import max_positions
+from ..conversion.report import describe, lineage, read_report
 from ..conversion.storage import train_on_the_grid
+from ..errors import ComeraError, ConfigError, ModelLoadError
+from ..hf.compat import check_resume_support
 from ..hf.config import compression_of, integer_format_of
-from ..models import load_tokenizer, read_config, resolve
+from ..hf.files import write_text_atomic
+from ..hf.loading import from_pretrained
+from ..hf.saving import check_output_dir, save_compressed, shard_kwargs
+from ..hf.sentence_config import sentence_embeddings
+from ..models import load_model, load_tokenizer, read_config, resolve
 from ..retrieval import held_out_pairs, model_retrieval
 from ..text import Blocks, pack, shortened, text_length
 from .attention import use_training_attention
-from .objectives import (BlockCollator, pick_objective, require_same_depth, resolve_objective, task_for,
-                         task_loss)
+from .fsdp import OPTIMIZER_FOLDER, Sharding, check_fsdp_possible, world_size
+from .objectives import BlockCollator, pick_objective, require_same_depth, resolve_objective, task_for, task_loss
 from .opening import fold_oversized
 from .options import TrainOptions, schedule_mismatch
 from .plan import TrainPlan, plan_training
+from .plot import plot_history
 from .rank_control import RankController
 from .rank_cuts import step_times
-from .trainer import STATE_FILE, ComeraTrainer, truncated_copy
+from .trainer import STATE_FILE, ComeraTrainer, load_truncated_checkpoint, truncated_copy
 
 logger = logging.getLogger("comera_convert.training")
 CHECKPOINTS = "checkpoints"
@@ -101,7 +108,6 @@ def _compression(config: dict, name: str) -> dict:
 
 
 def _load_teacher(options: TrainPlan, quantization: dict, student):
-    from ..models import load_model
 
     source = options.teacher or quantization.get("source")
     if not source:
@@ -145,8 +151,6 @@ def held_out_loss(model, blocks, objective, collate, teacher, batch_size: int,
 
 def held_out_embeddings(model, blocks, batch_size: int) -> torch.Tensor:
     """The model's mean-pooled sentence embeddings of the held-out blocks, one row per block."""
-    from ..hf.sentence_config import sentence_embeddings
-
     pooled = []
     with evaluating(model) as device:
         for start in range(0, len(blocks), batch_size):
@@ -177,8 +181,6 @@ def set_dropout(model: torch.nn.Module, p: float) -> None:
 
 def training_arguments(options: TrainPlan, output_dir: Path, **overrides):
     from transformers import TrainingArguments
-
-    from .fsdp import world_size
 
     cuda = torch.cuda.is_available()
     bf16 = options.bf16 if options.bf16 is not None else default_bf16(cuda)
@@ -268,6 +270,7 @@ def last_checkpoint(directory: Path) -> str | None:
 @dataclass
 class Session:
     """A training run's model and what it is judged by, once loaded and checked."""
+
     path: str
     objective: str
     objective_note: str | None
@@ -285,8 +288,6 @@ def recorded_layers_cut(path, target_ratio: float | None = None) -> float | None
     With a target ratio, how hard the target ratio cuts them at least: the recorded cut times the target ratio
     over the ratio now (more where layers the gates cannot shrink, such as a codebook table, hold
     part of the model)."""
-    from ..conversion.report import read_report
-
     try:
         report = read_report(path)
     except ModelLoadError:
@@ -347,8 +348,6 @@ def _resolved_options(path: str, config: dict, quantization: dict, options: Trai
 def _student(path: str, objective: str, options: TrainPlan) -> torch.nn.Module:
     """The compressed model as it trains: its head for the objective, its dropout, and (integer factors) on
     its grid."""
-    from ..hf.loading import from_pretrained
-
     model = from_pretrained(path, task=task_for(objective))
     if options.gradient_checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
         raise ConfigError(f"--gradient-checkpointing: {type(model).__name__} does not support activation "
@@ -373,6 +372,7 @@ TASK_PAIRS = 256
 class HeldOut:
     """The held-out blocks and how the model is measured on them: the task loss and, for a
     distilled encoder, the cosine of its embeddings to the teacher's (computed once)."""
+
     session: Session
     blocks: list
     collate: BlockCollator
@@ -406,12 +406,9 @@ def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, 
           max_shard_size: int | str | None = None) -> TrainResult:
     """Continue pre-training the compressed ``model_name`` while CoMERA adapts its ranks; write the
     result to ``out`` (`comera train`)."""
-    from ..hf.saving import check_output_dir, shard_kwargs
-
     out = Path(out)
     shard_kwargs(max_shard_size)  # a size that cannot work fails now, not after training
     if options.fsdp:
-        from .fsdp import check_fsdp_possible
 
         check_fsdp_possible()
     if not resume:
@@ -466,7 +463,6 @@ def _write(result: TrainResult, trainer, session: Session, sharding, out: Path, 
 
 
 def _resume_point(checkpoints: Path, resume: bool, options: TrainPlan) -> str | None:
-    from .fsdp import OPTIMIZER_FOLDER
 
     fsdp = options.fsdp
     resume_from = last_checkpoint(checkpoints) if resume else None
@@ -478,7 +474,6 @@ def _resume_point(checkpoints: Path, resume: bool, options: TrainPlan) -> str | 
         raise ConfigError(f"--resume: {resume_from} holds its optimizer state {held}: resume it "
                           f"{'with' if sharded else 'without'} --fsdp")
     if resume_from is not None:
-        from ..hf.compat import check_resume_support
 
         check_resume_support()
         _check_resumed_schedule(resume_from, options)
@@ -502,9 +497,6 @@ def _check_resumed_schedule(checkpoint: str, options: TrainPlan) -> None:
 def _shard(session: Session, resume_from: str | None):
     """Shard the model across the workers (--fsdp); a resumed run's checkpoint is loaded first,
     into the whole model."""
-    from .fsdp import Sharding
-    from .trainer import load_truncated_checkpoint
-
     if resume_from is not None:
         load_truncated_checkpoint(session.model, resume_from)
     return Sharding(session.model)
@@ -620,11 +612,6 @@ def export(model, history: list[dict], out: Path, source: str, training: dict, c
            max_shard_size: int | str | None = None):
     """Write the trained model truncated to its open ranks, its history and its curve, with every
     non-weight file of ``source`` and the lineage of its report; return the report."""
-    from ..conversion.report import describe, lineage, read_report
-    from ..hf.files import write_text_atomic
-    from ..hf.saving import save_compressed, shard_kwargs
-    from .plot import plot_history
-
     truncated, _ = truncated_copy(model, fold=True)
     if saved_dense := fold_oversized(truncated, training.get("opened_layers", [])):
         training = {**training, "opened_layers_saved_dense": saved_dense}

@@ -32,13 +32,15 @@ from transformers import Trainer, TrainerCallback
 
 from ..errors import ComeraError
 from ..hf.compat import TrainerCheckpointHooks
+from ..hf.files import write_text_atomic
+from ..hf.saving import save_compressed
 from ..layers import PrunedLinear, TTModule
-from .objectives import task_loss
 from .neuron_gates import NeuronBond, pruned_pairs
+from .objectives import task_loss
 from .rank_control import RankController, gated_modules
-from .stages import RankState
 from .rank_cuts import CUT_POINTS, cut_closed_ranks, points_reached
 from .reprojection import GRAM_EVERY, GramRecorder, reproject
+from .stages import RankState
 from .wall_clock import WallClock, wall_time_scheduler
 
 logger = logging.getLogger("comera_convert.training")
@@ -216,9 +218,6 @@ class ComeraTrainer(TrainerCheckpointHooks, Trainer):
 
     def write_model(self, output_dir: str | None = None) -> None:
         """The model truncated to its open ranks, in floats, with the controller's state beside it."""
-        from ..hf.files import write_text_atomic
-        from ..hf.saving import save_compressed
-
         model = self.accelerator.unwrap_model(self.model)
         if self.sharding is not None:
             model = self.sharding.full_model(model)  # every worker takes part in the gather
