@@ -12,11 +12,9 @@ from M* = G^-1 X^T X M whitened by G, which minimizes ||X^ M_tt - X M|| (``compe
 and its bias matches the dense mean output. Once the block is converted, both streams move past
 it (the dense copy, the compressed block) and its layers are written out.
 
-Measured on all-MiniLM-L6-v2 at --ratio 4 (docs/findings.md): the
-share of dense recall@1 kept rose from 0.49-0.62 to 0.72-0.74 on three natural-language domains,
-two of which the calibration never read, and from 0.38 to 0.52 on code. With block
-reconstruction it also gains where the factorized layers are cut least (MiniLM at --ratio 2 and
-2.5), so it is on by default wherever the ratio cuts them at all (MiniLM from --ratio 1.92;
+It keeps more of the dense model's retrieval than fitting each layer to the dense inputs, in and out
+of the calibration's domain, and with block reconstruction also where the factorized layers are cut
+least, so it is on by default wherever the ratio cuts them at all (docs/findings.md;
 ``conversion/plan.py``, ``conversion/regime.py``).
 """
 
