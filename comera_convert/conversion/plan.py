@@ -101,10 +101,9 @@ class ConvertPlan:
 def plan(request: ConvertRequest, model: nn.Module) -> ConvertPlan:
     """``request``'s defaults chosen for ``model``'s shape (on the meta device or in memory): the one
     place they are derived. An option the plan cannot honour is refused here, in one line."""
-    table = word_table(request)
-    modes = choose_modes(request, table[0])
-    return plan_for(request, model_shape(model, request, d=modes[0], codebook=table[0] == "codebook"),
-                    table=table, modes=modes)
+    table = word_table(request)[0]
+    modes = choose_modes(request, table)[0]  # the cut depends on them; plan_for states them with their reasons
+    return plan_for(request, model_shape(model, request, d=modes, codebook=table == "codebook"))
 
 
 def model_shape(model: nn.Module, request: ConvertRequest, *, d: int, codebook: bool) -> ModelShape:
@@ -117,10 +116,10 @@ def model_shape(model: nn.Module, request: ConvertRequest, *, d: int, codebook: 
     return ModelShape(params=count_params(model), cut=cut, block_params=block_params)
 
 
-def plan_for(request: ConvertRequest, shape: ModelShape, *, table=None, modes=None) -> ConvertPlan:
+def plan_for(request: ConvertRequest, shape: ModelShape) -> ConvertPlan:
     """``request``'s plan for a model of ``shape`` (``plan`` measures the shape; tests give one)."""
-    table = table or word_table(request)
-    modes = modes or choose_modes(request, table[0])
+    table = word_table(request)
+    modes = choose_modes(request, table[0])
     choices = {"ratio": _ratio(request), "word_embedding": table, "d": modes}
     cut_calls_for_it = _compensation(request, shape, codebook=table[0] == "codebook")
     choices["compensate"] = (request.compensate, GIVEN) if request.compensate is not None else cut_calls_for_it
