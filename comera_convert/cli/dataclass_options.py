@@ -24,10 +24,18 @@ def flags_from(cls):
     (with ``SectionedCommand``)."""
     def decorate(command):
         for spec in reversed(offered_fields(cls)):
-            command = click.option(*_names(spec), **_settings(spec))(command)
-            command.__click_params__[-1].concern = spec.metadata["concern"]
+            command = click.option(*_names(spec), cls=ConcernOption, concern=spec.metadata["concern"],
+                                   **_settings(spec))(command)
         return command
     return decorate
+
+
+class ConcernOption(click.Option):
+    """An option that knows the concern its field belongs to (how ``SectionedCommand`` groups --help)."""
+
+    def __init__(self, *args, concern: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.concern = concern
 
 
 class SectionedCommand(click.Command):
