@@ -7,6 +7,9 @@ from dataclasses import field, fields
 from .errors import ConfigError
 
 
+GIVEN = "given"  # a plan's reason for a choice the options made themselves (conversion's and training's)
+
+
 def option(default, concern: str, help: str, **cli):
     """A field of an option dataclass: its default, the concern it belongs to (one of the class's
     ``CONCERNS``) and how the CLI offers it: ``help``; ``cli``: ``flag`` (the declaration, or a tuple of

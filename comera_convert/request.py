@@ -262,9 +262,8 @@ class ConvertRequest:
 
     def _check_storage(self) -> None:
         dtype, size = self.dtype, self.group_size
-        if dtype is not None and dtype not in (*FLOAT_STORAGE, *INTEGER_STORAGE):
-            raise ConfigError(f"--dtype {dtype!r} is not a storage dtype "
-                              f"(expected one of {', '.join([*FLOAT_STORAGE, *INTEGER_STORAGE])})")
+        if dtype is not None:
+            check_storage_name(dtype)
         if size is not None and dtype is None:
             raise ConfigError("--group-size applies to integer storage: give --dtype int8 or int4 with it")
         if size is not None and dtype not in INTEGER_STORAGE:
@@ -299,6 +298,13 @@ class ConvertRequest:
 
 # The name the library has exported since 0.1.0: a request holds the options a conversion was given.
 ConvertOptions = ConvertRequest
+
+
+def check_storage_name(name: str) -> None:
+    """Refuse a ``--dtype`` that is none of the storage names, listing them all."""
+    if name not in (*FLOAT_STORAGE, *INTEGER_STORAGE):
+        raise ConfigError(f"--dtype {name!r} is not a storage dtype "
+                          f"(expected one of {', '.join([*FLOAT_STORAGE, *INTEGER_STORAGE])})")
 
 
 def check_device(name: str) -> None:

@@ -251,8 +251,8 @@ def plan_table(report, width: int) -> RenderableType | None:
 
 def _plain(value) -> str:
     if isinstance(value, float):
-        return "inf" if value == float("inf") else f"{value:.3g}"
-    return "-" if value is None else str(value)
+        return f"{value:.3g}"
+    return "-" if value is None else str(value)  # None: not chosen, or a cut out of reach (plan.describe)
 
 
 EVAL_COLUMNS = {  # metric key -> column title, in the order shown

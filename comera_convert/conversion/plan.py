@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..errors import ConfigError
+from ..option_files import GIVEN
 from ..request import RECONSTRUCTION_MIN_SEQUENCES, SHARED_RANK, ConvertRequest
 from .calibration import DEFAULT_SEQUENCES
 from .learned import LEARNING_STEP_BUDGET, LEARNING_STEPS, MIN_LEARNING_STEPS
@@ -52,7 +53,6 @@ MIN_RECONSTRUCT_STEPS = 25
 # docs/findings.md
 CALIBRATION_PARAM_TOKENS = 144 * 128 * 110_000_000
 MAX_CALIBRATION_SEQUENCES = 512
-GIVEN = "given"  # the reason of a choice the request made itself
 
 
 @dataclass(frozen=True)

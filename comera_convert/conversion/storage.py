@@ -22,6 +22,7 @@ from torch import nn
 from ..choices import FLOAT_STORAGE
 from ..choices import INTEGER_STORAGE as INTEGER_BITS
 from ..errors import ConfigError, expected
+from ..request import check_storage_name
 from ..integer import IntegerFormat, dequantize, quantize
 from ..layers import CodebookEmbedding, PrunedLinear, TTModule
 from ..layers.base import core_channel_axis
@@ -37,10 +38,9 @@ MIN_INTEGER_VALUES = 4096
 
 
 def storage_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a float ``--dtype`` name, or a ConfigError listing every name."""
-    if name not in STORAGE_DTYPES:
-        raise ConfigError(f"--dtype {name!r} is not a storage dtype "
-                          f"(expected one of {', '.join([*STORAGE_DTYPES, *INTEGER_BITS])})")
+    """The torch dtype of a float ``--dtype`` name (``cast_for_storage`` takes integer names aside), or a
+    ConfigError listing every name."""
+    check_storage_name(name)
     return STORAGE_DTYPES[name]
 
 

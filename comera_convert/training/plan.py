@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..option_files import GIVEN
 from .options import (DISTILL_DEFAULTS, DISTILL_WARMUP, PRETRAINING_DEFAULTS, SCHEDULE_FIELDS, TARGET_DEFAULTS,
                       TARGET_EARLY_SHARE, TrainOptions, default_distill_states)
 
-GIVEN = "given"  # the reason of a choice the request made itself
 
 
 @dataclass(frozen=True)
