@@ -17,7 +17,10 @@ python -m venv "$work/venv"
 cd "$work"                                   # nothing of the checkout on the path
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 version=$(venv/bin/python -c "import comera_convert; print(comera_convert.__version__)")
-venv/bin/comera --version | grep -q "version $version"
+# Output goes to a file before grep reads it: `grep -q` stops reading at its first match, and a
+# command still writing into the closed pipe exits non-zero, which pipefail turns into a failure.
+venv/bin/comera --version >version.txt
+grep -q "version $version" version.txt
 venv/bin/comera convert minilm --recipe minilm-ratio4 --calibration-sequences 32 --out minilm-tt4 >convert.log 2>&1 \
     || { tail -20 convert.log; exit 1; }
 venv/bin/python - <<'PY'
@@ -38,5 +41,7 @@ with torch.no_grad():
 assert torch.isfinite(hidden).all()
 print(f"wheel {comera_convert.__version__} from {installed.parent}: loaded {type(model).__name__} compressed")
 PY
-venv/bin/comera report minilm-tt4 | grep -qi "smaller"
+venv/bin/comera report minilm-tt4 >report.txt
+grep -qi "smaller" report.txt
+grep -q "plan: the options derived" report.txt
 echo "wheel smoke test passed: $(basename "$wheel")"
