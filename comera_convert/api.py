@@ -62,8 +62,9 @@ def convert_checkpoint(model_name: str, out, options: ConvertRequest | None = No
                        command: str | None = None, max_shard_size: int | str | None = None,
                        **overrides) -> ConversionResult:
     """Load ``model_name``, convert it with ``options`` (and ``overrides``, as ``convert`` takes them)
-    and write a compressed checkpoint to ``out``: the streamed pipeline (``pipeline/run.py``), which
-    never holds the dense model whole where the source is a local safetensors checkpoint.
+    and write a compressed checkpoint to ``out``: the streamed pipeline (``pipeline/run.py``, its stages in
+    ``pipeline/stages/``), which never holds the dense model whole where the source is a local safetensors
+    checkpoint.
 
     ``default_calibration``: the data to calibrate on when ``options`` names none (`comera convert`
     passes ``english+python-stdlib``); a model without a tokenizer then converts by plain TT-SVD, as

@@ -21,7 +21,6 @@ least, so it is on by default wherever the ratio cuts them at all (docs/findings
 from __future__ import annotations
 
 import copy
-import time
 from functools import partial
 
 import torch
@@ -31,7 +30,6 @@ from ..conversion.calibration import add_gram
 from ..integer import IntegerFormat
 from .reconstruction import BlockFit, reconstruct_block
 from .sequential import BlockInputs, SequentialCalibration, StopForward, capture_into, hidden_of
-from .streaming import load_module
 
 # G is damped by this share of its mean diagonal before M* is solved for and whitened by: the
 # least-squares map is otherwise steered by directions the calibration inputs barely excite (1e-2
@@ -64,13 +62,12 @@ class CompensatingCalibration(SequentialCalibration):
         self.shared: dict[str, list[str]] = {}  # its candidates, each with those reading the same input
         self.converted: list[str] = []  # its converted layers, written out when it closes
 
-    def prepare(self, name: str) -> None:
+    def passes(self, name: str) -> None:
         index = self.block_of(name)
         if index is None:
             if self.open is not None and not self.finished:
                 self._close()  # a module after the stack: the blocks are done
-            return super().prepare(name)
-        began = time.perf_counter()
+            return super().passes(name)
         if not self.inputs and not self.finished:
             self.start()
         if self.compressed_inputs is None:  # the modules before the stack are converted by now
@@ -81,8 +78,6 @@ class CompensatingCalibration(SequentialCalibration):
             self._open(self.done_blocks)
         if name not in self.stats.grams:
             self._record_pair(name)
-        self.seconds += time.perf_counter() - began
-        load_module(self.model, name, self.streamed.source)
 
     def release(self, name: str) -> None:
         if self.block_of(name) is None:

@@ -17,7 +17,6 @@ outside the blocks (embeddings, final norm, head) and the hidden states of the c
 from __future__ import annotations
 
 import inspect
-import time
 from functools import partial
 
 import torch
@@ -76,13 +75,13 @@ class Replay(nn.Module):
 class SequentialCalibration:
     """Fills a calibration's statistics block by block as the converter reaches each block.
 
-    ``prepare(name)`` is the streamed conversion's ``load`` hook: it runs every block up to the one
-    holding module ``name`` (or, for a module after the blocks, all of them and what follows) and
-    reads ``name``'s weights. ``release(name)`` drops its statistics; modules outside the blocks are
-    written out only at the end (the last pass runs them)."""
+    ``passes(name)``, just before the converter decomposes module ``name`` (its weights read by then), runs
+    every block up to the one holding it (or, for a module after the blocks, all of them and what follows).
+    ``release(name)`` drops its statistics and writes it out; modules outside the blocks are written out only
+    at the end (the last pass runs them)."""
 
     def __init__(self, model: nn.Module, streamed: Streamed, plan: CalibrationPlan, candidates: list[Candidate],
-                 blocks: str, source: str, reading_seconds: float = 0.0):
+                 blocks: str, source: str):
         self.model, self.streamed, self.plan, self.blocks = model, streamed, plan, blocks
         self.stats = empty_statistics(plan.batches, source, plan.needed)
         self.stack = model.get_submodule(blocks)
@@ -92,8 +91,6 @@ class SequentialCalibration:
             index = self.block_of(candidate.name)
             (self.outside if index is None else self.by_block[index]).append(candidate)
         self.inputs: list[BlockInputs] = []
-        self.seconds = 0.0  # spent in calibration passes, interleaved with the conversion
-        self.reading_seconds = reading_seconds  # spent reading the calibration text into ``plan``
         self.done_blocks = 0
         self.last_outputs: list = []  # the last block run's outputs, replayed for the modules after the stack
         self.finished = False
@@ -202,8 +199,7 @@ class SequentialCalibration:
         return any(p.is_meta for p in module.parameters(recurse=False))
 
     # The converter's hooks -------------------------------------------------------------------------
-    def prepare(self, name: str) -> None:
-        began = time.perf_counter()
+    def passes(self, name: str) -> None:
         if not self.inputs and not self.finished:
             self.start()
         index = self.block_of(name)
@@ -212,8 +208,6 @@ class SequentialCalibration:
                 self._run_block(self.done_blocks)
         elif not self.finished and name not in self.stats.counts and name not in self.stats.grams:
             self._finish_blocks()
-        self.seconds += time.perf_counter() - began
-        load_module(self.model, name, self.streamed.source)
 
     def release(self, name: str) -> None:
         self.stats.forget(name)

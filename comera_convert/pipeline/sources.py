@@ -1,5 +1,5 @@
 """Where a conversion's weights come from: three kinds of source behind one interface, so that the
-coordinator (``run.py``) runs the same steps whichever it has.
+stages (``stages/``) run the same steps whichever it has.
 
 - ``WholeSource``: the model loaded whole, calibrated in memory where the options name text, cast for
   storage at the end;
@@ -15,13 +15,10 @@ whole otherwise, with a note saying why and how much memory that takes.
 
 from __future__ import annotations
 
-import time
-
 from torch import nn
 
 from ..conversion import Calibration, ConvertPlan, ConvertRequest, calibrate, plan
 from ..conversion.calibration import plan_calibration
-from ..conversion.hooks import ModuleHooks
 from ..conversion.storage import cast_for_storage, integer_storage
 from ..conversion.targets import find_blocks, find_candidates
 from ..hf.saving import weight_bytes
@@ -36,33 +33,40 @@ WHOLE_LOAD_MEMORY = 2.0
 
 
 class WholeSource:
-    """The model loaded whole and converted in memory."""
+    """The model loaded whole and converted in memory: no module step of its own."""
+
+    streaming = False
 
     def __init__(self, model: nn.Module, path: str):
         self.model, self.path = model, path
 
-    def calibration(self, options: ConvertPlan, tokenizer, progress) -> Calibration | None:
-        """The statistics the conversion weights its decompositions by, None for a plain one."""
-        if not options.calibration:
-            return None
+    def calibration(self, options: ConvertPlan, tokenizer, progress) -> Calibration:
+        """The statistics the conversion weights its decompositions by (``options`` name calibration text)."""
         progress(f"calibrating on {options.calibration}")
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.path, "--calibration")
         return calibrate(self.model, tokenizer, options.calibration, options.calibration_sequences,
                          options.calibration_seq_len, options.targets, options.exclude, options.d)
 
-    def begin(self, out, options: ConvertPlan) -> None:
-        """Before the first module is converted."""
+    def open_spool(self, out, options: ConvertPlan) -> None:
+        """Before the first module is converted: where converted modules are written as they come."""
 
-    def hooks(self, progress) -> ModuleHooks:
-        """What the conversion calls for each module: ``progress``, and streaming, ``load`` before decomposing
-        it and ``release`` once its TT module is in place."""
-        return ModuleHooks(progress)
+    def load(self, name: str) -> None:
+        """Just before module ``name`` is decomposed: its weights read."""
 
-    def finish(self, report, options: ConvertPlan, notes: list[str]) -> None:
-        """After the last module: the model as its checkpoint stores it."""
-        if options.reconstruct_steps and options.calibration:
+    def passes(self, name: str) -> None:
+        """Just before module ``name`` is decomposed: the calibration passes that fill its statistics."""
+
+    def release(self, name: str) -> None:
+        """Once module ``name``'s compressed module is in place: written out and freed."""
+
+    def finish_calibration(self, report, options: ConvertPlan, notes: list[str]) -> None:
+        """After the last module: what the calibration still holds, and what it could not do."""
+        if options.reconstruct_steps:
             notes.append("block reconstruction runs in a calibrated conversion streamed block by block (a local "
                          "safetensors checkpoint with a tokenizer and a stack of blocks): it was skipped")
+
+    def finish_model(self, report, options: ConvertPlan) -> None:
+        """After the last module: the model as its checkpoint stores it."""
         if options.dtype is not None:
             cast_for_storage(self.model, options.dtype)
 
@@ -73,27 +77,26 @@ class WholeSource:
     def close(self) -> None:
         """Release what the source holds open, whether the conversion finished or not."""
 
-    def settle(self, seconds: dict[str, float], calibrated: bool) -> dict[str, float]:
-        """Each stage's seconds as the user reads them."""
-        if not calibrated:
-            seconds.pop("calibrate", None)
-        return seconds
-
 
 class StreamedSource(WholeSource):
     """The model on the meta device: each layer read just before it is decomposed, its TT module spooled."""
+
+    streaming = True
 
     def __init__(self, model: nn.Module, path: str, streamed):
         super().__init__(model, path)
         self.streamed = streamed
 
-    def begin(self, out, options: ConvertPlan) -> None:
+    def open_spool(self, out, options: ConvertPlan) -> None:
         self.streamed.open_spool(out, options.dtype, integer_storage(options.dtype, options.group_size))
 
-    def hooks(self, progress) -> ModuleHooks:
-        return ModuleHooks(progress, self.streamed.loader(self.model), self.streamed.releaser(self.model))
+    def load(self, name: str) -> None:
+        self.streamed.load(self.model, name)
 
-    def finish(self, report, options: ConvertPlan, notes: list[str]) -> None:
+    def release(self, name: str) -> None:
+        self.streamed.spill(self.model, name)
+
+    def finish_model(self, report, options: ConvertPlan) -> None:
         self.streamed.finish(self.model)
         report.extra["streamed"] = True
 
@@ -105,31 +108,32 @@ class StreamedSource(WholeSource):
 
 
 class SequentialSource(StreamedSource):
-    """Streamed, and calibrated block by block as the conversion reaches each block."""
+    """Streamed, and calibrated block by block as the conversion reaches each block: the calibration passes run
+    as the module loop reaches each block, and the calibration decides when a converted module is written out
+    (a compensating one keeps its block's until the block closes)."""
 
-    def __init__(self, model: nn.Module, path: str, streamed, sequential):
+    def __init__(self, model: nn.Module, path: str, streamed, blocks: str):
         super().__init__(model, path, streamed)
-        self.sequential = sequential
+        self.blocks = blocks
+        self.sequential: SequentialCalibration | None = None
 
     def calibration(self, options: ConvertPlan, tokenizer, progress) -> Calibration:
-        return self.sequential.stats  # filled block by block as the conversion reaches each block
+        """The text read now; the statistics are filled block by block as the conversion reaches each block."""
+        progress(f"calibrating on {options.calibration}, block by block")
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.path, "--calibration")
+        self.sequential = sequential_calibration(self.model, self.streamed, self.blocks, options, tokenizer)
+        return self.sequential.stats
 
-    def hooks(self, progress) -> ModuleHooks:
-        return ModuleHooks(progress, self.sequential.prepare, self.sequential.release)
+    def passes(self, name: str) -> None:
+        self.sequential.passes(name)
 
-    def finish(self, report, options: ConvertPlan, notes: list[str]) -> None:
+    def release(self, name: str) -> None:
+        self.sequential.release(name)
+
+    def finish_calibration(self, report, options: ConvertPlan, notes: list[str]) -> None:
         self.sequential.finish()
         if self.sequential.fits:
             report.extra["reconstruction"] = [fit.to_dict() for fit in self.sequential.fits]
-        super().finish(report, options, notes)
-
-    def settle(self, seconds: dict[str, float], calibrated: bool) -> dict[str, float]:
-        """The text was read while loading and the calibration passes ran inside the conversion: their
-        seconds move to calibrating."""
-        seconds["calibrate"] = self.sequential.reading_seconds + self.sequential.seconds
-        seconds["load"] -= self.sequential.reading_seconds
-        seconds["convert"] -= self.sequential.seconds
-        return seconds
 
 
 def streams(path: str, options: ConvertRequest) -> bool:
@@ -139,8 +143,8 @@ def streams(path: str, options: ConvertRequest) -> bool:
     return known and streamable(path)
 
 
-def open_source(model_name: str, path: str, request: ConvertRequest, task, tokenizer, notes: list[str],
-                progress) -> tuple[WholeSource, ConvertPlan]:
+def open_source(model_name: str, path: str, request: ConvertRequest, task, notes: list[str]) -> tuple[WholeSource,
+                                                                                                     ConvertPlan]:
     """(the source, the request's plan for the source's model: on the meta device where it streams).
     Streamed where it can stream, sequential where it also calibrates; else loaded whole, with a note saying
     why."""
@@ -149,17 +153,16 @@ def open_source(model_name: str, path: str, request: ConvertRequest, task, token
         model = streamed.skeleton(task)
         options = plan(request, model)
         unstored = streamed.missing(model)
+        blocks = find_blocks(model)
         if unstored:
             notes.append(f"{model_name} stores {unstored[0]} (and {len(unstored) - 1} more) under other names, "
                          f"which transformers converts on load: it was loaded whole instead of streamed"
                          f"{whole_load_memory(path)}")
         elif not options.calibration:
             return StreamedSource(model, path, streamed), options
+        elif blocks is not None:
+            return SequentialSource(model, path, streamed, blocks), options
         else:
-            progress(f"calibrating on {options.calibration}, block by block")
-            sequential = _sequential_calibration(model, streamed, path, options, tokenizer)
-            if sequential is not None:
-                return SequentialSource(model, path, streamed, sequential), options
             notes.append(f"{model_name} has no stack of repeated blocks to calibrate one at a time: it was loaded "
                          f"whole{whole_load_memory(path)}")
     model, path = load_model(model_name, task=task)
@@ -171,22 +174,16 @@ def whole_load_memory(path: str) -> str:
     return f" (about {WHOLE_LOAD_MEMORY * source / 1e9:.1f} GB of memory)" if source else ""
 
 
-def _sequential_calibration(model, streamed, path, options: ConvertPlan, tokenizer=None):
-    """A calibration run block by block as a streamed conversion reaches each block, or None where
-    the model has no stack of blocks."""
-    blocks = find_blocks(model)
-    if blocks is None:
-        return None
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path, "--calibration")
+def sequential_calibration(model, streamed, blocks: str, options: ConvertPlan, tokenizer) -> SequentialCalibration:
+    """A calibration run block by block as a streamed conversion reaches each block: compensating where the plan
+    compensates or reconstructs (reconstruction needs the compressed stream too)."""
     candidates = find_candidates(model, options.targets, options.exclude, options.d)[0]
-    began = time.perf_counter()
     text = plan_calibration(model, candidates, tokenizer, options.calibration, options.calibration_sequences,
                             options.calibration_seq_len)
-    common = dict(reading_seconds=time.perf_counter() - began)
-    if options.compensate or options.reconstruct_steps:  # reconstruction needs the compressed stream too
+    if options.compensate or options.reconstruct_steps:
         steps = options.reconstruct_steps
         reconstruct = (steps, options.reconstruct_lr) if steps else None
         return CompensatingCalibration(model, streamed, text, candidates, blocks, options.calibration,
                                        fit_to_compressed=options.compensate, reconstruct=reconstruct,
-                                       grid=integer_storage(options.dtype, options.group_size), **common)
-    return SequentialCalibration(model, streamed, text, candidates, blocks, options.calibration, **common)
+                                       grid=integer_storage(options.dtype, options.group_size))
+    return SequentialCalibration(model, streamed, text, candidates, blocks, options.calibration)

@@ -196,8 +196,9 @@ class Streamed:
         return [name for name, _ in model.named_parameters(remove_duplicate=False)
                 if name not in tied and not self.source.has(name, prefix)]
 
-    def loader(self, model: nn.Module):
-        return lambda name: load_module(model, name, self.source)
+    def load(self, model: nn.Module, name: str) -> None:
+        """Module ``name``'s weights read, just before it is decomposed."""
+        load_module(model, name, self.source)
 
     def open_spool(self, out: Path, storage_dtype: str | None = None, integer_format=None) -> None:
         """Converted layers will be written to a hidden spool file beside ``out`` (cast to the float
@@ -207,9 +208,6 @@ class Streamed:
         handle, name = tempfile.mkstemp(prefix=f".{out.name}.spool-", dir=out.parent)
         os.close(handle)
         self.spool, self.storage_dtype, self.integer_format = WeightSpool(name), storage_dtype, integer_format
-
-    def releaser(self, model: nn.Module):
-        return lambda name: self.spill(model, name)
 
     def spill(self, model: nn.Module, name: str) -> None:
         """Write module ``name`` (cast to the storage dtype) to the spool and free its memory."""
