@@ -22,6 +22,10 @@ from safetensors.torch import load_file
 RECORD = Path(__file__).parent / "data" / "behaviour.json"
 SAMPLED = 4  # values kept per tensor, at fixed spread-out positions
 CALIBRATED = dict(calibration="english", calibration_sequences=8, calibration_seq_len=32)
+# At a ratio the word table alone reaches it on this model, so the block-by-block streams (compensation,
+# reconstruction) run only with a fixed rank that converts the blocks' layers too; reconstruction holds out
+# 16 sequences and trains on the rest.
+BLOCKS = dict(rank=8, calibration="english", calibration_sequences=32, calibration_seq_len=16)
 
 # name -> (streamed: convert_checkpoint from a saved folder, else convert() in memory; options)
 CONVERSIONS = {
@@ -38,6 +42,10 @@ CONVERSIONS = {
     "word-table-tt": (True, dict(ratio=3, word_embedding="tt")),
     "calibrated": (True, dict(ratio=3, **CALIBRATED)),
     "calibrated-int4": (True, dict(ratio=3, dtype="int4", group_size=32, **CALIBRATED)),
+    "blocks-compensated": (True, dict(compensate=True, reconstruct_steps=0, **BLOCKS)),
+    "blocks-reconstructed": (True, dict(compensate=True, reconstruct_steps=3, **BLOCKS)),
+    "blocks-reconstructed-int8": (True, dict(dtype="int8", reconstruct_steps=3, **BLOCKS)),
+    "blocks-ffn-prune": (True, dict(ffn="prune", **BLOCKS)),
     "in-memory-ratio-4": (False, dict(ratio=4)),
     "in-memory-ffn-prune": (False, dict(ratio=3, ffn="prune")),
 }
