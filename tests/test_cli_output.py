@@ -88,3 +88,10 @@ def test_sizes_are_printed_in_the_binary_units_they_are_computed_in(converted):
     kib = f"{weights / 1024:.1f} KiB"  # the tiny checkpoint is between 1 KiB and 1 MiB
     assert kib in output, (kib, output)
     assert " KB" not in output and " MB" not in output
+
+
+def test_a_conversion_lists_its_stages_seconds_in_the_order_they_run():
+    from comera_convert.cli.commands import _stage_seconds
+
+    timings = {"save": 1.0, "custom": 2.0, "reconstruct": 4.0, "load": 0.5, "convert": 3.0}
+    assert _stage_seconds(timings) == "load 0.5 s, reconstruct 4.0 s, convert 3.0 s, save 1.0 s, custom 2.0 s"

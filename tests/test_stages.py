@@ -12,17 +12,30 @@ from comera_convert.conversion import ConvertOptions
 from comera_convert.pipeline import run
 from comera_convert.pipeline.runner import CONVERT, Stage, StageClock
 
-from .test_streaming import _with_tokenizer
+from . import behaviour
 from .tiny_models import build
 
 
+def recording(sleep_in: str | None = None, here: bool = True):
+    """A stage class whose instances write down each step they are given into its ``steps``, and sleep in one
+    step so that its seconds show."""
+
+    class Recorded(Recording):
+        name = "recording" if here else "not-here"
+        steps: list = []
+
+        def __init__(self):
+            self.sleep_in = sleep_in
+
+        def applies(self, job):
+            return here
+
+    return Recorded
+
+
 class Recording(Stage):
-    """A stage that writes down each step it is given, and sleeps in one step so its seconds show."""
-
-    name = "recording"
-
-    def __init__(self, sleep_in: str | None = None):
-        self.steps, self.sleep_in = [], sleep_in
+    steps: list
+    sleep_in: str | None
 
     def _step(self, what: str, *name) -> None:
         self.steps.append((what, *name))
@@ -38,15 +51,11 @@ class Recording(Stage):
     def after_module(self, job, name):
         self._step("after", name)
 
+    def per_block(self, job, block):
+        self._step("block", block.index)
+
     def finish(self, job):
         self._step("finish")
-
-
-class NotHere(Recording):
-    name = "not-here"
-
-    def applies(self, job):
-        return False
 
 
 def _with_stages(monkeypatch, *extra):
@@ -55,7 +64,7 @@ def _with_stages(monkeypatch, *extra):
 
 def test_a_stage_added_to_the_list_runs_its_lifecycle_around_each_streamed_module(tmp_path, monkeypatch):
     build("llama-clm").save_pretrained(tmp_path / "dense")
-    added, skipped = Recording(), NotHere()
+    added, skipped = recording(), recording(here=False)
     _with_stages(monkeypatch, added, skipped)
     result = convert_checkpoint(str(tmp_path / "dense"), tmp_path / "tt", ConvertOptions(ratio=2))
     converted = sorted(m.name for m in result.report.modules if m.kind != "tied_head")
@@ -74,7 +83,7 @@ def test_a_model_in_memory_gives_the_stages_no_module_steps(tmp_path, monkeypatc
     build("bert-mlm").save_pretrained(tmp_path / "dense")
     monkeypatch.setattr(sources, "streams", lambda path, request: False)
     monkeypatch.setattr(run, "streams", lambda path, request: False)
-    added = Recording()
+    added = recording()
     _with_stages(monkeypatch, added)
     result = convert_checkpoint(str(tmp_path / "dense"), tmp_path / "tt", ConvertOptions(ratio=2))
     assert added.steps == [("prepare",), ("finish",)] and "streamed" not in result.report.extra
@@ -83,16 +92,18 @@ def test_a_model_in_memory_gives_the_stages_no_module_steps(tmp_path, monkeypatc
 def test_each_step_counts_once_in_the_timings(tmp_path, monkeypatch):
     """A module step runs inside the module loop: its seconds are its stage's and leave the loop's, so the
     timings add up to no more than the conversion's wall time."""
-    dense, _, _ = _with_tokenizer(tmp_path, "llama-clm")
-    added = Recording(sleep_in="before")
+    dense, _ = behaviour.dense_source(tmp_path)
+    added = recording(sleep_in="before")
     _with_stages(monkeypatch, added)
-    options = ConvertOptions(ratio=2, calibration="english", calibration_sequences=8, calibration_seq_len=32)
+    options = ConvertOptions(reconstruct_steps=3, **behaviour.BLOCKS)  # the blocks converted, then tuned
     began = time.perf_counter()
     result = convert_checkpoint(str(dense), tmp_path / "tt", options)
     wall = time.perf_counter() - began
     modules = sum(step[0] == "before" for step in added.steps)
-    assert result.report.extra["streamed"] and set(result.timings) == {"load", "calibrate", CONVERT, "save",
-                                                                        "recording"}
+    assert result.report.extra["streamed"] and set(result.timings) == {"load", "calibrate", "reconstruct", CONVERT,
+                                                                        "save", "recording"}
+    blocks = [step[1] for step in added.steps if step[0] == "block"]
+    assert blocks == [0, 1] == [fit["block"] for fit in result.report.extra["reconstruction"]]
     assert result.timings["recording"] >= 0.05 * modules
     assert all(seconds >= 0 for seconds in result.timings.values())
     assert sum(result.timings.values()) <= wall
@@ -116,7 +127,7 @@ def test_a_failing_stage_leaves_no_spool_and_no_output(tmp_path, monkeypatch):
         def after_module(self, job, name):
             raise RuntimeError(f"stopped after {name}")
 
-    _with_stages(monkeypatch, Failing())
+    _with_stages(monkeypatch, Failing)
     with pytest.raises(RuntimeError, match="stopped after"):
         convert_checkpoint(str(tmp_path / "dense"), tmp_path / "tt", ConvertOptions(ratio=2))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dense"]

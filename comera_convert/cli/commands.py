@@ -75,17 +75,24 @@ def _print_conversion(result, calibrated: bool) -> None:
     out = console()
     out.print(modules_table(result.report, out.width))
     out.print(totals_table(result.report, result.disk_bytes))
-    t = result.timings
-    calibrate = f"calibrate {t['calibrate']:.1f} s, " if "calibrate" in t else ""
-    allocate = f"allocate {t['allocate']:.1f} s, " if "allocate" in t else ""
-    out.print(f"[green]wrote[/] {result.out}  ({allocate}load {t['load']:.1f} s, {calibrate}"
-              f"convert {t['convert']:.1f} s, save {t['save']:.1f} s)", soft_wrap=True)
+    out.print(f"[green]wrote[/] {result.out}  ({_stage_seconds(result.timings)})", soft_wrap=True)
     for note in result.notes:
         out.print(f"[yellow]note:[/] {note}", soft_wrap=True)
     if not calibrated:  # plain TT-SVD of pretrained weights keeps little of the model's function
         out.print(f"[dim]tip: calibration (the default, english+python-stdlib, or --calibration with your own "
                   f"text) fits each layer to real activations; `comera eval {result.out}` measures the result[/]",
                   soft_wrap=True)
+
+
+# The order a conversion's stages run in, the module loop ("convert") before the checkpoint is written; a stage
+# the list does not know comes last.
+STAGE_ORDER = ("allocate", "load", "calibrate", "reconstruct", "convert", "save")
+
+
+def _stage_seconds(timings: dict[str, float]) -> str:
+    """Each stage that ran with its seconds, in the order they run ("load 0.1 s, calibrate 86.9 s, ...")."""
+    order = sorted(timings, key=lambda name: STAGE_ORDER.index(name) if name in STAGE_ORDER else len(STAGE_ORDER))
+    return ", ".join(f"{name} {timings[name]:.1f} s" for name in order)
 
 
 @main.command()

@@ -2,7 +2,7 @@
 calibrate, compensate, factorize, reconstruct, round and spool; then assemble the checkpoint.
 
 run             convert_checkpoint: the checks before anything slow, then the stages
-stages/         one file per stage (allocate, read, calibrate, write); STAGES their order
+stages/         one file per stage (allocate, read, calibrate, reconstruct, write); STAGES their order
 runner          the stages' one lifecycle (prepare, each module, finish), run in order and timed
 factorize       the converter's module loop (convert_model), shared with the in-memory conversion
 sources         where the weights come from: whole, streamed, or streamed and calibrated block by block

@@ -21,14 +21,14 @@ least, so it is on by default wherever the ratio cuts them at all (docs/findings
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
+from typing import Callable
 from functools import partial
 
 import torch
 from torch import nn
 
 from ..conversion.calibration import add_gram
-from ..integer import IntegerFormat
-from .reconstruction import BlockFit, reconstruct_block
 from .sequential import BlockInputs, SequentialCalibration, StopForward, capture_into, hidden_of
 
 # G is damped by this share of its mean diagonal before M* is solved for and whitened by: the
@@ -41,21 +41,31 @@ COMPENSATION_RIDGE = 1e-2
 MIN_ROWS_PER_INPUT = 8
 
 
+@dataclass
+class ClosingBlock:
+    """A block whose layers are all converted, as the compressed stream is about to move past it: the block
+    itself, the compressed stream's inputs to it and the dense block's hidden states (what it should give)."""
+
+    index: int
+    module: nn.Module
+    inputs: list[BlockInputs]
+    targets: list[torch.Tensor]
+
+
 class CompensatingCalibration(SequentialCalibration):
     """A ``SequentialCalibration`` whose statistics compensate the compression error of the layers
     before each one (module docstring). Modules outside the stack (embeddings, pooler, head) keep
     the dense statistics.
 
     ``fit_to_compressed`` False fits each layer to the dense inputs instead (the streams still run,
-    for reconstruction); ``reconstruct`` (steps, learning rate), when given, tunes each block once
-    its layers are converted (``reconstruction.py``), its fits collected in ``fits``; ``grid``, the
-    checkpoint's integer storage (None: floats), the grid reconstruction tunes on."""
+    for reconstruction); ``on_block`` hears of each block once its layers are converted, before the
+    compressed stream moves past it (``ClosingBlock``: the stages' ``per_block``, where reconstruction
+    tunes it)."""
 
-    def __init__(self, *args, fit_to_compressed: bool = True, reconstruct: tuple[int, float] | None = None,
-                 grid: IntegerFormat | None = None, **kwargs):
+    def __init__(self, *args, fit_to_compressed: bool = True,
+                 on_block: Callable[[ClosingBlock], None] = lambda block: None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.fit_to_compressed, self.reconstruct, self.grid = fit_to_compressed, reconstruct, grid
-        self.fits: list[BlockFit] = []  # one per block, when reconstructing
+        self.fit_to_compressed, self.on_block = fit_to_compressed, on_block
         self.compressed_inputs: list[BlockInputs] | None = None  # the compressed stream, at the open block
         self.open: int | None = None  # the block whose layers are being converted
         self.dense_block: nn.Module | None = None  # a dense copy of it
@@ -163,11 +173,8 @@ class CompensatingCalibration(SequentialCalibration):
         block = self.stack[self.open]
         block.eval()
         self.last_outputs = [inputs.run(self.dense_block) for inputs in self.inputs]
-        if self.reconstruct is not None:
-            steps, lr = self.reconstruct
-            targets = [hidden_of(output) for output in self.last_outputs]
-            self.fits.append(reconstruct_block(block, self.open, self.compressed_inputs, targets, steps, lr,
-                                               grid=self.grid, earlier=self.fits))
+        self.on_block(ClosingBlock(self.open, block, self.compressed_inputs,
+                                   [hidden_of(output) for output in self.last_outputs]))
         for inputs in self.compressed_inputs:
             inputs.run(block)
         for name in self.converted:

@@ -2,9 +2,9 @@
 in order (``stages/``, by ``runner.py``), then what was written.
 
 ``convert_checkpoint`` is what ``comera convert`` and ``comera_convert.convert(..., out=...)`` run. The stages
-live in ``stages/`` (allocate, read, calibrate, write), the module loop between them in ``factorize.py``; the
-sources, calibration passes, reconstruction and spool they use live beside this file, and none of them
-imports it.
+live in ``stages/`` (allocate, read, calibrate, reconstruct, write), the module loop between them in
+``factorize.py``; the sources, calibration passes, reconstruction and spool they use live beside this file,
+and none of them imports it.
 """
 
 from __future__ import annotations

@@ -95,7 +95,6 @@ class SequentialCalibration:
         self.last_outputs: list = []  # the last block run's outputs, replayed for the modules after the stack
         self.finished = False
         self.deferred: list[str] = []
-        self.fits: list = []  # blocks tuned by reconstruction (CompensatingCalibration's): none here
 
     def block_of(self, name: str) -> int | None:
         prefix = f"{self.blocks}."

@@ -35,13 +35,15 @@ WHOLE_LOAD_MEMORY = 2.0
 class WholeSource:
     """The model loaded whole and converted in memory: no module step of its own."""
 
-    streaming = False
+    streaming = False  # each module's weights read as the conversion reaches it
+    blockwise = False  # calibrated block by block: each block closes (``ClosingBlock``) once converted
 
     def __init__(self, model: nn.Module, path: str):
         self.model, self.path = model, path
 
-    def calibration(self, options: ConvertPlan, tokenizer, progress) -> Calibration:
-        """The statistics the conversion weights its decompositions by (``options`` name calibration text)."""
+    def calibration(self, options: ConvertPlan, tokenizer, progress, on_block) -> Calibration:
+        """The statistics the conversion weights its decompositions by (``options`` name calibration text);
+        ``on_block`` hears of each block closing, where the calibration runs block by block."""
         progress(f"calibrating on {options.calibration}")
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.path, "--calibration")
         return calibrate(self.model, tokenizer, options.calibration, options.calibration_sequences,
@@ -59,11 +61,8 @@ class WholeSource:
     def release(self, name: str) -> None:
         """Once module ``name``'s compressed module is in place: written out and freed."""
 
-    def finish_calibration(self, report, options: ConvertPlan, notes: list[str]) -> None:
-        """After the last module: what the calibration still holds, and what it could not do."""
-        if options.reconstruct_steps:
-            notes.append("block reconstruction runs in a calibrated conversion streamed block by block (a local "
-                         "safetensors checkpoint with a tokenizer and a stack of blocks): it was skipped")
+    def finish_calibration(self) -> None:
+        """After the last module: the blocks the calibration has left, and what it still holds."""
 
     def finish_model(self, report, options: ConvertPlan) -> None:
         """After the last module: the model as its checkpoint stores it."""
@@ -112,16 +111,18 @@ class SequentialSource(StreamedSource):
     as the module loop reaches each block, and the calibration decides when a converted module is written out
     (a compensating one keeps its block's until the block closes)."""
 
+    blockwise = True
+
     def __init__(self, model: nn.Module, path: str, streamed, blocks: str):
         super().__init__(model, path, streamed)
         self.blocks = blocks
         self.sequential: SequentialCalibration | None = None
 
-    def calibration(self, options: ConvertPlan, tokenizer, progress) -> Calibration:
+    def calibration(self, options: ConvertPlan, tokenizer, progress, on_block) -> Calibration:
         """The text read now; the statistics are filled block by block as the conversion reaches each block."""
         progress(f"calibrating on {options.calibration}, block by block")
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.path, "--calibration")
-        self.sequential = sequential_calibration(self.model, self.streamed, self.blocks, options, tokenizer)
+        self.sequential = sequential_calibration(self.model, self.streamed, self.blocks, options, tokenizer, on_block)
         return self.sequential.stats
 
     def passes(self, name: str) -> None:
@@ -130,10 +131,8 @@ class SequentialSource(StreamedSource):
     def release(self, name: str) -> None:
         self.sequential.release(name)
 
-    def finish_calibration(self, report, options: ConvertPlan, notes: list[str]) -> None:
+    def finish_calibration(self) -> None:
         self.sequential.finish()
-        if self.sequential.fits:
-            report.extra["reconstruction"] = [fit.to_dict() for fit in self.sequential.fits]
 
 
 def streams(path: str, options: ConvertRequest) -> bool:
@@ -174,16 +173,15 @@ def whole_load_memory(path: str) -> str:
     return f" (about {WHOLE_LOAD_MEMORY * source / 1e9:.1f} GB of memory)" if source else ""
 
 
-def sequential_calibration(model, streamed, blocks: str, options: ConvertPlan, tokenizer) -> SequentialCalibration:
+def sequential_calibration(model, streamed, blocks: str, options: ConvertPlan, tokenizer,
+                           on_block) -> SequentialCalibration:
     """A calibration run block by block as a streamed conversion reaches each block: compensating where the plan
-    compensates or reconstructs (reconstruction needs the compressed stream too)."""
+    compensates or reconstructs (reconstruction needs the compressed stream too; ``on_block`` hears of each
+    block it closes)."""
     candidates = find_candidates(model, options.targets, options.exclude, options.d)[0]
     text = plan_calibration(model, candidates, tokenizer, options.calibration, options.calibration_sequences,
                             options.calibration_seq_len)
     if options.compensate or options.reconstruct_steps:
-        steps = options.reconstruct_steps
-        reconstruct = (steps, options.reconstruct_lr) if steps else None
         return CompensatingCalibration(model, streamed, text, candidates, blocks, options.calibration,
-                                       fit_to_compressed=options.compensate, reconstruct=reconstruct,
-                                       grid=integer_storage(options.dtype, options.group_size))
+                                       fit_to_compressed=options.compensate, on_block=on_block)
     return SequentialCalibration(model, streamed, text, candidates, blocks, options.calibration)

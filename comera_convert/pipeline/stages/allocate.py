@@ -20,6 +20,9 @@ from ..runner import Conversion, Stage
 class Allocate(Stage):
     name = "allocate"
 
+    def __init__(self):
+        self.learning = None
+
     def applies(self, job: Conversion) -> bool:
         return job.request.allocation == "learned" and job.request.rank_scales is None
 
@@ -35,8 +38,8 @@ class Allocate(Stage):
         tokenizer = job.tokenizer if job.tokenizer is not None else load_tokenizer(job.path, "--allocation learned")
         text = plan_calibration(model, budget.candidates, tokenizer, request.calibration, LEARNING_SEQUENCES,
                                 request.calibration_seq_len)
-        job.learning = learn_allocation(budget, list(torch.cat(text.batches).split(STEP_SEQUENCES)))
-        job.request = dataclasses.replace(request, rank_scales=job.learning.scales)
+        self.learning = learn_allocation(budget, list(torch.cat(text.batches).split(STEP_SEQUENCES)))
+        job.request = dataclasses.replace(request, rank_scales=self.learning.scales)
 
     def finish(self, job: Conversion) -> None:
-        job.report.extra.update(job.learning.to_dict())
+        job.report.extra.update(self.learning.to_dict())
