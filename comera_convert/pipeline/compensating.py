@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Callable
 from functools import partial
+from typing import Callable
 
 import torch
 from torch import nn
