@@ -44,7 +44,6 @@ def _weight_files(path: str) -> list[Path]:
 
         return [Path(hf_hub_download(path, "model.safetensors"))]
     except Exception as err:
-
         raise not_found_error(path, err) from None
 
 

@@ -62,7 +62,6 @@ def held_out_texts(source: str, count: int) -> list[str]:
 
 
 def _kind(config: dict) -> str:
-
     objective = resolve_objective("auto", config)
     architectures = " ".join(config.get("architectures") or [])
     if objective == "clm":

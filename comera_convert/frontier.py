@@ -124,7 +124,6 @@ def _static_points(source_path, byte_counts: list[int], config: dict, tasks: dic
 
 
 def _one_source_error(models: list[str], configs: list[dict]) -> str:
-
     recorded = {name: (compression_of(c) or {}).get("source") for name, c in zip(models, configs)}
     return ("the frontier compares compressed checkpoints of one source model: "
             + ", ".join(f"{name} records {source!r}" for name, source in recorded.items()))

@@ -156,7 +156,6 @@ def load_variant(variant: str, path: str, device: str, capturable: bool = False)
         if variant in RANK_CUT_TARGETS:
             cut_to_target(model.to(device), RANK_CUT_TARGETS[variant], TT_CONVERSIONS[variant].get("rank_multiple", 1))
     else:
-
         model = auto_class_for(read_config(path)).from_pretrained(path)  # the recorded architecture
     model.to(device).train()
     if variant.startswith("GaLore"):

@@ -30,7 +30,6 @@ class OpenVinoEncoder(nn.Module):
     the precision OpenVINO picks for this CPU (bfloat16 where it has the instructions), as it serves."""
 
     def __init__(self, file: Path):
-
         super().__init__()
         weights = file.with_suffix(".bin")
         self.megabytes = round((file.stat().st_size + weights.stat().st_size) / 2 ** 20, 1)
@@ -38,7 +37,6 @@ class OpenVinoEncoder(nn.Module):
         self.anchor = nn.Parameter(torch.zeros(0), requires_grad=False)  # retrieval.embed() reads the device
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, **_):
-
         given = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
         feeds = {name: value.numpy() for name, value in given.items() if value is not None}
         return SimpleNamespace(last_hidden_state=torch.from_numpy(run_graph(self.compiled, feeds)))

@@ -156,7 +156,6 @@ def probe_batches(calibration: Calibration) -> list:
 
 
 def measured(request: AllocationRequest) -> Allocation:
-
     calibration = _needs_calibration(request)
     if calibration.probe is None:
         raise ConfigError("allocation 'measured' needs probe sequences in the calibration: build it with "
@@ -171,7 +170,6 @@ def measured(request: AllocationRequest) -> Allocation:
 
 
 def sensitivity(request: AllocationRequest) -> Allocation:
-
     specs, estimated = allocate_by_sensitivity(request.candidates, request.params_before, request.options.ratio,
                                                request.choice, _needs_calibration(request))
     return Allocation(specs, None, "sensitivity: per-layer ranks, greedy by estimated output error removed per "

@@ -84,7 +84,6 @@ class ComeraConfig(QuantizationConfigMixin):
         self._model = weakref.ref(model)
 
     def to_dict(self) -> dict:
-
         model = self._model() if self._model is not None else None
         modules = records_of(model) if model is not None else self.modules
         # The version the records need, so that checkpoints older readers can load keep loading there.

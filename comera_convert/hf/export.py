@@ -97,7 +97,6 @@ def _require_runtime(fmt: str, quantize: str | None, arch: str | None) -> str | 
 
 
 def _write_format(fmt, model, tokenizer, directory: Path, opset, quantize, arch, progress) -> OnnxExport:
-
     if fmt == "openvino":
         return write_openvino_graphs(model, tokenizer, directory, opset=opset, quantize=quantize, progress=progress)
     return write_graphs(model, tokenizer, directory, opset=opset, quantize=quantize, arch=arch, progress=progress)
@@ -155,7 +154,6 @@ def _int8_notes(result: OnnxExport) -> list[str]:
 
 
 def _sentence_notes(source: Path) -> list[str]:
-
     if read_modules(source) is not None:
         return []
     return ["not a sentence-transformers model (no modules.json): the graphs give token states, and pooling "

@@ -18,7 +18,6 @@ from .config import QUANT_METHOD, compression_of
 
 
 def is_compressed_dir(path: str | os.PathLike) -> bool:
-
     return compression_of(read_config(str(path))) is not None
 
 

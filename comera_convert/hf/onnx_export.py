@@ -129,7 +129,6 @@ def reference_outputs(model: nn.Module, tokenizer) -> Reference:
 
 
 def _write_graphs(model, tokenizer, directory: Path, opset, quantize, arch, prepare, progress) -> OnnxExport:
-
     reference = reference_outputs(model, tokenizer)
     torch_dtype = next(model.parameters()).dtype
     file = directory / ONNX_FILE

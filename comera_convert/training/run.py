@@ -108,7 +108,6 @@ def _compression(config: dict, name: str) -> dict:
 
 
 def _load_teacher(options: TrainPlan, quantization: dict, student):
-
     source = options.teacher or quantization.get("source")
     if not source:
         raise ConfigError("objective distill needs the dense teacher: the checkpoint records no source, "
@@ -409,7 +408,6 @@ def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, 
     out = Path(out)
     shard_kwargs(max_shard_size)  # a size that cannot work fails now, not after training
     if options.fsdp:
-
         check_fsdp_possible()
     if not resume:
         check_output_dir(out, overwrite)
@@ -463,7 +461,6 @@ def _write(result: TrainResult, trainer, session: Session, sharding, out: Path, 
 
 
 def _resume_point(checkpoints: Path, resume: bool, options: TrainPlan) -> str | None:
-
     fsdp = options.fsdp
     resume_from = last_checkpoint(checkpoints) if resume else None
     if resume and resume_from is None:
@@ -474,7 +471,6 @@ def _resume_point(checkpoints: Path, resume: bool, options: TrainPlan) -> str | 
         raise ConfigError(f"--resume: {resume_from} holds its optimizer state {held}: resume it "
                           f"{'with' if sharded else 'without'} --fsdp")
     if resume_from is not None:
-
         check_resume_support()
         _check_resumed_schedule(resume_from, options)
     return resume_from
