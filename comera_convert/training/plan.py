@@ -16,7 +16,6 @@ from .options import (DISTILL_DEFAULTS, DISTILL_WARMUP, PRETRAINING_DEFAULTS, SC
                       TARGET_EARLY_SHARE, TrainOptions, default_distill_states)
 
 
-
 @dataclass(frozen=True)
 class TrainPlan:
     """A training request with every default chosen for its objective: the derived values in ``chosen``,
