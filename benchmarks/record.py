@@ -32,6 +32,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from comera_convert.machine import cpu_features, cpu_model
+
 RESULTS = Path(__file__).resolve().parent / "results"
 REQUIRED = {"name": str, "title": str, "command": str, "machine": dict, "versions": dict, "date": str,
             "columns": list, "rows": list}
@@ -41,27 +43,6 @@ REQUIRED_VERSIONS = ("torch", "transformers")
 
 class RecordError(ValueError):
     """A record that cannot be rendered: the message names the record and what is wrong."""
-
-
-def cpu_model() -> str:
-    """The CPU's model name as the kernel reports it ("AMD EPYC", "Intel(R) Xeon(R) ...")."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def cpu_features() -> list[str]:
-    """The vector extensions that change CPU figures (bfloat16 and int8 kernels), where present."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return []
-    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")
-    return [flag for flag in wanted if f" {flag}" in flags]
 
 
 def machine() -> dict:

@@ -16,6 +16,7 @@ import functools
 import torch
 
 from ..choices import CHECKPOINT_CASES
+from ..machine import cpu_model
 from .layers import embedding_case, layer_case
 from .models import convert_case, inference_case, train_step_case
 from .serving import needs_a_checkpoint, serving_case
@@ -27,15 +28,7 @@ CASES = {"layer": layer_case, "embedding": embedding_case, "train-step": train_s
 def machine() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(0)
-    model = "unknown CPU"
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model}, {torch.get_num_threads()} threads"
+    return f"{cpu_model()}, {torch.get_num_threads()} threads"
 
 
 def run(cases, device: str, dtype: torch.dtype, quick: bool, repeats: int, progress=None,
