@@ -117,6 +117,7 @@ def train_on_the_grid(model: nn.Module, fmt: IntegerFormat | None) -> None:
     for name, module in model.named_modules():
         if isinstance(module, (TTModule, CodebookEmbedding)):
             module.integer_format = fmt
+            module.clear_cache()  # what inference built from the weights before they were rounded
         elif isinstance(module, PrunedLinear) and (f"{name}.weight" if name else "weight") in rounded:
             module.integer_format = fmt  # a scale per row, as integer_axes stores it
 
