@@ -31,6 +31,8 @@ DISTILL_MODES = ("end-to-end", "block-wise")
 # How distillation matches each hidden state: its squared error relative to the teacher's, or
 # each token's cosine distance (objectives.STATE_DISTANCES).
 DISTILL_STATES = ("relative-mse", "cosine")
+# How distillation matches the pooled sentence embeddings (training/objectives.py, POOLED_DISTANCES).
+DISTILL_POOLED = ("cosine", "relational", "contrastive")
 # Learning-rate schedules after the warm-up (transformers' names). CoMERA trains at constant rates;
 # a decaying rate ends distillation on a settled model instead of a noisy iterate.
 LR_SCHEDULERS = ("constant", "linear", "cosine")
@@ -50,5 +52,9 @@ LATE_OBJECTIVES = ("min-max", "task")
 BENCH_CASES = ("layer", "embedding", "train-step", "convert", "inference", "serving")
 EXPORT_FORMATS = ("onnx", "openvino")  # the runtimes `comera export` writes graphs for
 INT8_ARCHES = ("avx512_vnni", "avx512", "avx2", "arm64")  # the CPUs sentence-transformers names int8 graphs after
+# How a low-rank pair serves (layers/serving_forms.py): two products through its bond, or multiplied out.
+SERVING_FORMS = ("pair", "merged")
+FORM_REQUESTS = ("auto", *SERVING_FORMS)  # --forms: each timed on this machine (hf/form_timing.py), or one form
+SERVING_RUNTIMES = ("openvino", "onnx")  # the runtimes forms are timed in
 CHECKPOINT_CASES = ("inference", "serving")  # the cases --checkpoint measures; serving needs one
 TRAIN_MODELS = ("bert-base", "llama-1.1b")

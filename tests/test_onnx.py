@@ -44,10 +44,11 @@ def stored_values(file) -> int:
                                           ("gpt2-clm", "tt"), pytest.param("llama-clm", "tt", marks=pytest.mark.slow)])
 def test_exported_graph_agrees_with_pytorch_on_new_shapes_and_stays_compressed(case, layout, tmp_path):
     model, path, dense_params = saved(case, tmp_path, layout=layout)
-    result = export_model(str(path), tmp_path / "onnx")
+    result = export_model(str(path), tmp_path / "onnx", forms="pair")
     assert result.max_difference is not None and result.max_difference < 1e-4
     assert result.graphs == [tmp_path / "onnx" / "onnx" / "model.onnx"]  # where sentence-transformers looks
-    assert sorted(p.name for p in result.graphs[0].parent.iterdir()) == ["model.onnx"]  # weights inside
+    # weights inside, and the forms the pairs serve in beside it
+    assert sorted(p.name for p in result.graphs[0].parent.iterdir()) == ["model.onnx", "serving_forms.json"]
     session = ort.InferenceSession(str(result.graphs[0]), providers=["CPUExecutionProvider"])
     batch = inputs(seed=5)  # another batch and length than the export's sample
     batch = {k: v[:, :7].repeat(2, 1)[:3] for k, v in batch.items()}
@@ -111,7 +112,7 @@ def sentence_folder(tmp_path):
 
 def test_int8_export_goes_into_the_checkpoint_as_sentence_transformers_names_it(tmp_path):
     model, path = sentence_folder(tmp_path)
-    result = export_model(str(path), quantize="int8", arch="avx2")
+    result = export_model(str(path), quantize="int8", arch="avx2", forms="pair")
     assert result.out == path and result.notes == []
     assert result.graphs == [path / "onnx" / "model.onnx", path / "onnx" / "model_qint8_avx2.onnx"]
     assert result.graphs[1].stat().st_size < 0.8 * result.graphs[0].stat().st_size  # weights in int8, not all
@@ -123,8 +124,10 @@ def test_int8_export_goes_into_the_checkpoint_as_sentence_transformers_names_it(
     assert 0 < result.int8_difference < 0.05
     with pytest.raises(ConfigError, match="onnx exists: pass --overwrite to replace it, or give --out"):
         export_model(str(path), quantize="int8", arch="avx2")
-    again = export_model(str(path), overwrite=True)  # replaced whole: the int8 graph goes with the old folder
-    assert sorted(p.name for p in (path / "onnx").iterdir()) == ["model.onnx"] and len(again.graphs) == 1
+    # replaced whole: the int8 graph goes with the old folder
+    again = export_model(str(path), overwrite=True, forms="pair")
+    assert sorted(p.name for p in (path / "onnx").iterdir()) == ["model.onnx", "serving_forms.json"]
+    assert len(again.graphs) == 1
 
 
 def test_a_copy_holds_what_sentence_transformers_loads_and_no_pytorch_weights(tmp_path):
@@ -146,7 +149,7 @@ def test_a_copy_holds_what_sentence_transformers_loads_and_no_pytorch_weights(tm
 
 def test_a_model_without_modules_json_is_exported_with_a_note_on_pooling(tmp_path):
     _, path, _ = saved("bert", tmp_path)
-    result = export_model(str(path), tmp_path / "out")
+    result = export_model(str(path), tmp_path / "out", forms="pair")
     assert result.notes == ["not a sentence-transformers model (no modules.json): the graphs give token states, "
                             "and pooling is not in them"]
 
@@ -199,7 +202,8 @@ def test_bench_serving_adds_onnx_runtime_float_and_int8_for_both_models(tmp_path
     pytest.importorskip("onnxruntime")
     checkpoint, dense, pairs = serving_checkpoint(tmp_path)
     result = CliRunner().invoke(main, ["bench", "serving", "--checkpoint", str(checkpoint), "--reference", str(dense),
-                                       "--pairs", str(pairs), "--texts", "12", "--repeats", "1", "--json"])
+                                       "--pairs", str(pairs), "--texts", "12", "--repeats", "1", "--json",
+                                       "--forms", "pair"])
     assert result.exit_code == 0, result.output
     rows = {row["method"]: row for row in json.loads(result.output)["rows"]}
     assert list(rows)[4:8] == ["dense, ONNX Runtime", "dense, ONNX Runtime int8 (sentence-transformers' quantization)",
@@ -217,10 +221,11 @@ def test_bench_serving_times_a_graph_made_elsewhere_beside_its_own(tmp_path):
     from comera_convert.hf.export import export_model
 
     checkpoint, dense, pairs = serving_checkpoint(tmp_path)
-    peer = export_model(str(checkpoint), tmp_path / "peer").graphs[0]  # the compressed float graph, made apart
+    # the compressed float graph, made apart
+    peer = export_model(str(checkpoint), tmp_path / "peer", forms="pair").graphs[0]
     result = CliRunner().invoke(main, ["bench", "serving", "--checkpoint", str(checkpoint), "--reference", str(dense),
                                        "--pairs", str(pairs), "--texts", "12", "--repeats", "1", "--json",
-                                       "--peer", str(peer), "--batch", "1"])
+                                       "--peer", str(peer), "--batch", "1", "--forms", "pair"])
     assert result.exit_code == 0, result.output
     rows = {row["method"]: row for row in json.loads(result.output)["rows"]}
     assert rows["peer: onnx/model.onnx"]["recall_kept"] == rows["comera, ONNX Runtime"]["recall_kept"]

@@ -22,7 +22,7 @@ pytest.importorskip("onnxruntime")
 
 
 def run(file, batch, precision=None):
-    from comera_convert.hf.openvino_export import compile_graph, run_graph
+    from comera_convert.hf.runtimes import compile_graph, run_graph
 
     compiled = compile_graph(file, {"INFERENCE_PRECISION_HINT": precision} if precision else None)
     return torch.from_numpy(run_graph(compiled, {name: value.numpy() for name, value in batch.items()}))
@@ -36,7 +36,13 @@ def test_openvino_graphs_go_where_sentence_transformers_looks_and_compute_what_p
                              served / "openvino" / "openvino_model_qint8_quantized.xml"]
     assert sorted(p.name for p in (served / "openvino").iterdir()) == [
         "openvino_model.bin", "openvino_model.xml", "openvino_model_qint8_quantized.bin",
-        "openvino_model_qint8_quantized.xml"]
+        "openvino_model_qint8_quantized.xml", "serving_forms.json"]
+    # both graphs' forms, timed here (the default): each chosen among the candidates it measured
+    plans = json.loads((served / "openvino" / "serving_forms.json").read_text())["graphs"]
+    assert list(plans) == ["openvino_model.xml", "openvino_model_qint8_quantized.xml"]
+    assert any(group["milliseconds"] for group in plans["openvino_model_qint8_quantized.xml"]["groups"])
+    assert all(group["chosen"] in group["milliseconds"] for plan in plans.values() for group in plan["groups"]
+               if group["milliseconds"])
     assert not (served / "onnx").exists() and not list(served.glob("*.safetensors"))
     assert {"modules.json", "1_Pooling", "config.json", "tokenizer.json"} <= {p.name for p in served.iterdir()}
     assert result.checked_by == "OpenVINO" and result.max_difference < 1e-4
@@ -54,8 +60,8 @@ def test_openvino_graphs_go_where_sentence_transformers_looks_and_compute_what_p
 
 def test_openvino_export_into_the_checkpoint_replaces_only_its_openvino_folder(tmp_path):
     _, path = sentence_folder(tmp_path)
-    export_model(str(path), fmt="onnx")
-    result = export_model(str(path), fmt="openvino")
+    export_model(str(path), fmt="onnx", forms="pair")
+    result = export_model(str(path), fmt="openvino", forms="pair")
     assert result.graphs == [path / "openvino" / "openvino_model.xml"]
     assert (path / "onnx" / "model.onnx").is_file()  # the ONNX graph stays beside it
     with pytest.raises(ConfigError, match="openvino exists: pass --overwrite to replace it, or give --out"):
@@ -80,10 +86,11 @@ def test_openvino_requests_that_cannot_work_are_refused_before_writing(tmp_path,
 
 def test_cli_export_says_which_runtime_checked_and_the_earlier_name_still_works(tmp_path):
     _, path = sentence_folder(tmp_path)
-    result = CliRunner().invoke(main, ["export", str(path), "--format", "openvino", "--out", str(tmp_path / "ov")])
+    result = CliRunner().invoke(main, ["export", str(path), "--format", "openvino", "--out", str(tmp_path / "ov"),
+                                       "--forms", "pair"])
     assert result.exit_code == 0, result.output
     assert "OpenVINO agrees with PyTorch" in result.output
-    earlier = CliRunner().invoke(main, ["export-onnx", str(path), "--out", str(tmp_path / "o")])
+    earlier = CliRunner().invoke(main, ["export-onnx", str(path), "--out", str(tmp_path / "o"), "--forms", "pair"])
     assert earlier.exit_code == 0, earlier.output
     assert "onnxruntime agrees with PyTorch" in earlier.output and (tmp_path / "o" / "onnx" / "model.onnx").is_file()
     assert "export-onnx" not in CliRunner().invoke(main, ["--help"]).output  # one name in the list

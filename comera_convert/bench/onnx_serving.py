@@ -24,6 +24,7 @@ from .openvino_serving import OpenVinoEncoder
 
 DENSE_ONNX, DENSE_ONNX_INT8 = "dense, ONNX Runtime", "dense, ONNX Runtime int8 (sentence-transformers' quantization)"
 OURS_ONNX, OURS_ONNX_INT8 = "comera, ONNX Runtime", "comera, ONNX Runtime int8"
+PEER = "peer: "  # how the name of a graph made elsewhere begins
 
 
 class OnnxEncoder(nn.Module):
@@ -47,25 +48,25 @@ class OnnxEncoder(nn.Module):
         return SimpleNamespace(last_hidden_state=torch.from_numpy(self.session.run(None, feeds)[0]))
 
 
-def onnx_methods(reference: nn.Module, compressed: nn.Module, tokenizer, progress) -> dict[str, OnnxEncoder]:
-    """The four ONNX Runtime methods, their graphs written to a temporary folder, read, and removed."""
+def onnx_methods(model: nn.Module, names: tuple[str, str], tokenizer, progress,
+                 forms: str | None = None) -> dict[str, OnnxEncoder]:
+    """``model``'s float and int8 ONNX Runtime methods under ``names``, the graphs written to a temporary folder,
+    read, and removed: a compressed model's layers in ``forms`` (``form_timing.plan_forms``), a dense one's
+    (``forms`` None) quantized as sentence-transformers quantizes its export, every linear in int8 and the
+    graph as it is."""
     require_onnxruntime("comera bench serving")
     arch = this_machine_arch()
-    methods = {}
-    for (float_name, int8_name), model, where in [((DENSE_ONNX, DENSE_ONNX_INT8), reference, "dense"),
-                                                  ((OURS_ONNX, OURS_ONNX_INT8), compressed, "comera")]:
-        progress(f"exporting the {where} model to ONNX, float32 and int8 for {arch}")
-        with tempfile.TemporaryDirectory(prefix="comera-serving-") as folder:
-            graphs = write_graphs(model, tokenizer, Path(folder), quantize="int8", arch=arch,
-                                  prepare=model is compressed).graphs
-            methods[float_name], methods[int8_name] = OnnxEncoder(graphs[0]), OnnxEncoder(graphs[1])
-    return methods
+    progress(f"exporting {names[0]} to ONNX, float32 and int8 for {arch}")
+    with tempfile.TemporaryDirectory(prefix="comera-serving-") as folder:
+        graphs = write_graphs(model, tokenizer, Path(folder), quantize="int8", arch=arch, prepare=forms is not None,
+                              forms=forms or "pair").graphs
+        return dict(zip(names, map(OnnxEncoder, graphs)))
 
 
 def peer_methods(files) -> dict[str, nn.Module]:
     """A method for each graph made elsewhere, named after its folder and file: ONNX Runtime runs an .onnx
     file, OpenVINO an .xml one."""
-    return {f"peer: {file.parent.name}/{file.name}": (OpenVinoEncoder if file.suffix == ".xml" else OnnxEncoder)(file)
+    return {f"{PEER}{file.parent.name}/{file.name}": (OpenVinoEncoder if file.suffix == ".xml" else OnnxEncoder)(file)
             for file in map(Path, files)}
 
 

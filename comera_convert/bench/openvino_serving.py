@@ -17,8 +17,8 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from ..hf.onnx_export import DEFAULT_OPSET
-from ..hf.openvino_export import compile_graph, require_openvino, run_graph, write_openvino_graphs
+from ..hf.openvino_export import require_openvino, write_openvino_graphs
+from ..hf.runtimes import compile_graph, run_graph
 
 DENSE_OPENVINO = "dense, OpenVINO"
 DENSE_OPENVINO_INT8 = "dense, OpenVINO int8 (NNCF, as sentence-transformers quantizes)"
@@ -42,14 +42,13 @@ class OpenVinoEncoder(nn.Module):
         return SimpleNamespace(last_hidden_state=torch.from_numpy(run_graph(self.compiled, feeds)))
 
 
-def openvino_methods(reference: nn.Module, compressed: nn.Module, tokenizer, progress) -> dict[str, OpenVinoEncoder]:
-    """The four OpenVINO methods, their graphs written to a temporary folder, compiled, and removed."""
+def openvino_methods(model: nn.Module, names: tuple[str, str], tokenizer, progress,
+                     forms: str | None = None) -> dict[str, OpenVinoEncoder]:
+    """``model``'s float and int8 OpenVINO methods under ``names``, the graphs written to a temporary folder,
+    compiled, and removed: a compressed model's layers in ``forms`` (``form_timing.plan_forms``), a dense
+    one's (``forms`` None) every linear in int8, as sentence-transformers quantizes it."""
     require_openvino("comera bench serving's OpenVINO rows")
-    methods = {}
-    for names, model, where in [((DENSE_OPENVINO, DENSE_OPENVINO_INT8), reference, "dense"),
-                                ((OURS_OPENVINO, OURS_OPENVINO_INT8), compressed, "comera")]:
-        progress(f"exporting the {where} model to OpenVINO, float and int8")
-        with tempfile.TemporaryDirectory(prefix="comera-serving-") as folder:
-            graphs = write_openvino_graphs(model, tokenizer, Path(folder), opset=DEFAULT_OPSET, quantize="int8").graphs
-            methods.update(zip(names, map(OpenVinoEncoder, graphs)))
-    return methods
+    progress(f"exporting {names[0]} to OpenVINO, float and int8")
+    with tempfile.TemporaryDirectory(prefix="comera-serving-") as folder:
+        graphs = write_openvino_graphs(model, tokenizer, Path(folder), quantize="int8", forms=forms or "pair").graphs
+        return dict(zip(names, map(OpenVinoEncoder, graphs)))

@@ -22,6 +22,7 @@ import statistics
 import time
 import warnings
 from itertools import zip_longest
+from pathlib import Path
 
 import torch
 
@@ -30,13 +31,20 @@ from ..evaluation import load_compared, pair_domain_name
 from ..hf.openvino_export import openvino_installed
 from ..layers import use_int8_compute
 from ..retrieval import held_out_pairs, kept, model_retrieval, read_pairs
-from .onnx_serving import graph_megabytes, onnx_methods, peer_methods
-from .openvino_serving import openvino_methods
+from .onnx_serving import (DENSE_ONNX, DENSE_ONNX_INT8, OURS_ONNX, OURS_ONNX_INT8, PEER, graph_megabytes, onnx_methods,
+                           peer_methods)
+from .openvino_serving import (DENSE_OPENVINO, DENSE_OPENVINO_INT8, OURS_OPENVINO, OURS_OPENVINO_INT8,
+                               openvino_methods)
 
 BATCH = 32  # sentence-transformers' default encode batch
 SEQ_LEN = 256  # tokens a text is cut to (the longest MiniLM and MPNet sentence models embed)
 DENSE, DENSE_INT8, OURS, OURS_INT8 = ("dense", "dense, int8 dynamic (torch)", "comera float32", "comera int8 compute")
 COMPILED = ", torch.compile"  # the suffix of a compiled method's name
+# The dense graphs a user gets from sentence-transformers' backends with no comera at all (its OpenVINO backend
+# in the runtime's default precision, its int8 exports as they quantize), beside the exports given as --peer.
+ZERO_EFFORT = (DENSE_OPENVINO, DENSE_OPENVINO_INT8, DENSE_ONNX_INT8)
+# The methods that measure the compressed checkpoint (a label follows each where several are measured).
+COMPRESSED_METHODS = (OURS, OURS_INT8, OURS_ONNX, OURS_ONNX_INT8, OURS_OPENVINO, OURS_OPENVINO_INT8)
 
 
 def quantized_dense(reference: torch.nn.Module) -> torch.nn.Module:
@@ -96,8 +104,8 @@ def _embed_all(model, batches) -> None:
         model(**batch)
 
 
-def timed_rounds(models: dict, batches: list[dict], repeats: int) -> dict[str, float]:
-    """Median seconds of one pass over ``batches`` per model, the models taking turns each round."""
+def timed_rounds(models: dict, batches: list[dict], repeats: int) -> dict[str, list[float]]:
+    """Seconds of one pass over ``batches`` per model and round, the models taking turns each round."""
     for model in models.values():  # warm-up: first-call allocations and packing
         _embed_all(model, batches[:2])
     rounds = {name: [] for name in models}
@@ -106,47 +114,99 @@ def timed_rounds(models: dict, batches: list[dict], repeats: int) -> dict[str, f
             start = time.perf_counter()
             _embed_all(model, batches)
             rounds[name].append(time.perf_counter() - start)
-    return {name: statistics.median(seconds) for name, seconds in rounds.items()}
+    return rounds
 
 
-def serving_case(checkpoint: str, reference_name: str | None, pair_files, texts: int, repeats: int,
+def round_ratios(rounds: dict[str, list[float]], against: str) -> dict[str, tuple[float, float]]:
+    """Each model's speed against ``against``'s as (median, standard error) over the rounds, each round's
+    ratio taken within the round (the machine's drift meets both alike)."""
+    ratios = {}
+    for name, seconds in rounds.items():
+        per_round = [base / mine for base, mine in zip(rounds[against], seconds)]
+        error = statistics.stdev(per_round) / len(per_round) ** 0.5 if len(per_round) > 1 else float("nan")
+        ratios[name] = (statistics.median(per_round), error)
+    return ratios
+
+
+def zero_effort(names) -> list[str]:
+    """The methods a user gets from the dense model with no comera at all: sentence-transformers' own exports
+    (``--peer``), and the dense graphs as sentence-transformers' backends make them (OpenVINO in its default
+    precision, int8 as its exports quantize)."""
+    return [name for name in names if name in ZERO_EFFORT or name.startswith(PEER)]
+
+
+def serving_case(checkpoint, reference_name: str | None, pair_files, texts: int, repeats: int,
                  progress=None, compile_models: bool = False, onnx: bool = False, peers=(),
-                 batch: int = BATCH) -> list[dict]:
-    """One row per method: sentences a second, speed against dense, and recall@1 kept per pair domain
-    (each of ``pair_files``, else the built-in english corpus's held-out pairs) with its standard
-    error; ``compile_models`` adds each method under ``torch.compile``, ``onnx`` the dense and the
-    compressed model in ONNX Runtime and, where it is installed, OpenVINO, float and int8, and each graph of
-    ``peers`` (``onnx_serving.py``, ``openvino_serving.py``);
-    texts are embedded ``batch`` at a time (1: one request at a time, as an online service embeds)."""
+                 batch: int = BATCH, forms: str = "auto") -> list[dict]:
+    """One row per method: sentences a second, speed against dense and against the fastest route that costs
+    no effort (``zero_effort``; each a median over the rounds with its standard error), and recall@1 kept per
+    pair domain (each of ``pair_files``, else the built-in english corpus's held-out pairs) with its standard
+    error, and the worst domain's. ``checkpoint``: one compressed checkpoint or several of one source, their
+    methods side by side (each named after its folder where there are several); ``compile_models`` adds each
+    method under ``torch.compile``, ``onnx`` the dense and the compressed models in ONNX Runtime and, where it
+    is installed, OpenVINO, float and int8, and each graph of ``peers`` (``onnx_serving.py``,
+    ``openvino_serving.py``); texts are embedded ``batch`` at a time (1: one request at a time, as an online
+    service embeds); ``forms``: the compressed graphs' serving forms (``form_timing.plan_forms``)."""
     progress = progress or (lambda message: None)
     if compile_models:
         require_cpp_compiler()
-    compared = load_compared(checkpoint, reference_name, "comera bench", progress)
-    if compared.kind == "clm":
-        raise ConfigError("--checkpoint measures sentence embedding: pass an encoder, not a causal LM")
+    checkpoints = [checkpoint] if isinstance(checkpoint, (str, Path)) else list(checkpoint)
+    compared = [load_compared(str(path), reference_name, "comera bench", progress) for path in checkpoints]
+    _check_one_source(checkpoints, compared)
+    first = compared[0]
+    labels = {Path(c.path).name if len(compared) > 1 else "": c for c in compared}
     progress("int8 copies of the dense and compressed models")
-    models = {DENSE: compared.reference, DENSE_INT8: quantized_dense(compared.reference), OURS: compared.compressed,
-              OURS_INT8: int8_compute_copy(compared.compressed)}
+    models = {DENSE: first.reference, DENSE_INT8: quantized_dense(first.reference)}
+    for label, each in labels.items():
+        models.update({_labelled(OURS, label): each.compressed,
+                       _labelled(OURS_INT8, label): int8_compute_copy(each.compressed)})
     if compile_models:
         models.update({name + COMPILED: compiled(model) for name, model in list(models.items())})
     if onnx:
-        models.update(runtime_methods(compared, progress, peers))
+        models.update(runtime_methods(first, labels, progress, peers, forms))
     domains = _pair_domains(pair_files, texts)
     documents = interleaved([[document for _, document in pairs] for pairs in domains.values()])[:texts]
-    batches = length_sorted_batches(compared.tokenizer, documents, batch)
+    batches = length_sorted_batches(first.tokenizer, documents, batch)
     progress(f"timing {len(documents)} texts, {repeats} rounds of {len(models)} models"
              + (" (compiling first)" if compile_models else ""))
-    seconds = timed_rounds(models, batches, repeats)
+    rounds = timed_rounds(models, batches, repeats)
     quality = {}
     for index, (domain, pairs) in enumerate(domains.items()):
         progress(f"retrieval on {domain} ({index + 1}/{len(domains)})")
-        scores = {name: model_retrieval(model, compared.tokenizer, pairs, SEQ_LEN, compared.pooling)
+        scores = {name: model_retrieval(model, first.tokenizer, pairs, SEQ_LEN, first.pooling)
                   for name, model in models.items() if not name.endswith(COMPILED)}
         quality[domain] = {name: kept(scores[eager_name(name)], scores[DENSE]) for name in models}
     tokens = sum(int(encoded["attention_mask"].sum()) for encoded in batches)
-    shape = f"{compared.source}, {len(documents)} texts ({tokens / len(documents):.0f} tokens avg), batch {batch}"
-    return [_row(name, models[name], "serving" if onnx else "inference", shape, len(documents) / seconds[name],
-                 seconds[DENSE] / seconds[name], quality) for name in models]
+    shape = f"{first.source}, {len(documents)} texts ({tokens / len(documents):.0f} tokens avg), batch {batch}"
+    speeds = {name: len(documents) / statistics.median(seconds) for name, seconds in rounds.items()}
+    routes = zero_effort(models)
+    peer = max(routes, key=speeds.get) if routes else None
+    against = {"dense": round_ratios(rounds, DENSE), "peer": round_ratios(rounds, peer) if peer else {}}
+    case = "serving" if onnx else "inference"
+    return [_row(name, models[name], case, shape, speeds[name], against, quality, peer, _label_of(name, labels))
+            for name in models]
+
+
+def _labelled(method: str, label: str) -> str:
+    return f"{method} [{label}]" if label else method
+
+
+def _label_of(method: str, labels: dict) -> str | None:
+    """The checkpoint a method measures (its folder's name where several are measured), None for dense ones."""
+    base = eager_name(method)
+    for label in labels:
+        if base.endswith(f" [{label}]") or (not label and base in COMPRESSED_METHODS):
+            return label or None
+    return None
+
+
+def _check_one_source(checkpoints, compared) -> None:
+    sources = {c.source for c in compared}
+    if len(sources) > 1:
+        recorded = ", ".join(f"{path} records {c.source!r}" for path, c in zip(checkpoints, compared))
+        raise ConfigError(f"--checkpoint: the checkpoints measured side by side share one dense source: {recorded}")
+    if compared[0].kind == "clm":
+        raise ConfigError("--checkpoint measures sentence embedding: pass an encoder, not a causal LM")
 
 
 def _pair_domains(pair_files, texts: int) -> dict:
@@ -157,22 +217,40 @@ def _pair_domains(pair_files, texts: int) -> dict:
     return domains or {"english": held_out_pairs("english", texts)}
 
 
-def _row(name: str, model, case: str, shape: str, per_second: float, speed: float, quality: dict) -> dict:
-    return {"case": case, "method": name, "device": "cpu", "dtype": "int8" if "int8" in name else "float32",
-            "shape": shape, **({"file_mb": megabytes} if (megabytes := graph_megabytes(model)) else {}),
-            "sentences_per_s": round(per_second, 1), "speed_vs_dense": round(speed, 2),
-            "recall_kept": {domain: round(shares[name]["recall_kept"], 3) for domain, shares in quality.items()},
-            "recall_kept_error": {domain: round(shares[name]["recall_kept_error"], 3)
-                                  for domain, shares in quality.items()}}
+def _row(name: str, model, case: str, shape: str, per_second: float, against: dict, quality: dict,
+         peer: str | None, checkpoint: str | None) -> dict:
+    kept_by_domain = {domain: shares[name] for domain, shares in quality.items()}
+    worst = min(kept_by_domain, key=lambda domain: kept_by_domain[domain]["recall_kept"])
+    row = {"case": case, "method": name, "device": "cpu", "dtype": "int8" if "int8" in name else "float32",
+           "shape": shape, **({"checkpoint": checkpoint} if checkpoint else {}),
+           **({"file_mb": megabytes} if (megabytes := graph_megabytes(model)) else {}),
+           "sentences_per_s": round(per_second, 1), "speed_vs_dense": round(against["dense"][name][0], 2),
+           "speed_vs_dense_error": round(against["dense"][name][1], 3),
+           "recall_kept": {domain: round(share["recall_kept"], 3) for domain, share in kept_by_domain.items()},
+           "recall_kept_error": {domain: round(share["recall_kept_error"], 3)
+                                 for domain, share in kept_by_domain.items()},
+           "worst_kept": round(kept_by_domain[worst]["recall_kept"], 3),
+           "worst_kept_error": round(kept_by_domain[worst]["recall_kept_error"], 3)}
+    if peer is not None:
+        row.update({"speed_vs_peer": round(against["peer"][name][0], 2),
+                    "speed_vs_peer_error": round(against["peer"][name][1], 3), "peer": peer})
+    return row
 
 
-def runtime_methods(compared, progress, peers) -> dict:
-    """The ONNX Runtime methods, the OpenVINO ones where OpenVINO is installed, and the peers' graphs."""
-    methods = onnx_methods(compared.reference, compared.compressed, compared.tokenizer, progress)
+def runtime_methods(first, labels: dict, progress, peers, forms: str = "auto") -> dict:
+    """The ONNX Runtime methods, the OpenVINO ones where OpenVINO is installed, of the dense model and each
+    compressed checkpoint (``labels``: by label), and the peers' graphs."""
+    runtimes = [(onnx_methods, (DENSE_ONNX, DENSE_ONNX_INT8), (OURS_ONNX, OURS_ONNX_INT8))]
     if openvino_installed():
-        methods.update(openvino_methods(compared.reference, compared.compressed, compared.tokenizer, progress))
+        runtimes.append((openvino_methods, (DENSE_OPENVINO, DENSE_OPENVINO_INT8), (OURS_OPENVINO, OURS_OPENVINO_INT8)))
     else:
         progress("no OpenVINO rows: pip install 'comera-convert[openvino]' to add them")
+    methods = {}
+    for make, dense_names, names in runtimes:
+        methods.update(make(first.reference, dense_names, first.tokenizer, progress))
+        for label, each in labels.items():
+            methods.update(make(each.compressed, tuple(_labelled(n, label) for n in names), first.tokenizer,
+                                progress, forms))
     return methods | peer_methods(peers)
 
 

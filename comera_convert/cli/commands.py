@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from ..choices import EXPORT_FORMATS, INT8_ARCHES
+from ..choices import EXPORT_FORMATS, FORM_REQUESTS, INT8_ARCHES
 from ..errors import ConfigError
 from ..models import TASK_CLASSES
 from ..request import ConvertRequest
@@ -266,6 +266,10 @@ def _export_options(command):
         click.option("--opset", type=int, default=18, show_default=True, help="ONNX operator set (18 or later)."),
         click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True,
                      help="Precision of the exported ONNX graph."),
+        click.option("--forms", type=click.Choice(FORM_REQUESTS), default="auto", show_default=True,
+                     help="Each low-rank pair as two products or multiplied out, and in the int8 graph each layer in "
+                          "int8 or float: the fastest of each, timed on this machine (auto), or one form for every "
+                          "pair with every layer in int8; written to serving_forms.json beside the graphs."),
         click.option("--overwrite", is_flag=True, help="Replace a non-empty --out folder, or MODEL's graphs folder."),
     ]
     for option in reversed(options):
@@ -275,7 +279,7 @@ def _export_options(command):
 
 @main.command(name="export")
 @_export_options
-def export(model, fmt, out, quantize, arch, opset, dtype, overwrite):
+def export(model, fmt, out, quantize, arch, opset, dtype, forms, overwrite):
     """Export compressed MODEL for ONNX Runtime or OpenVINO, still compressed, checked against PyTorch; loads
     with SentenceTransformer(folder, backend="onnx" or "openvino") where comera_convert is not installed."""
     from ..hf.export import export_model
@@ -283,7 +287,7 @@ def export(model, fmt, out, quantize, arch, opset, dtype, overwrite):
     start = time.perf_counter()
     with progress_display() as progress:
         result = export_model(model, out, opset=opset, dtype=dtype, quantize=quantize, arch=arch, overwrite=overwrite,
-                            fmt=fmt, progress=progress)
+                            fmt=fmt, forms=forms, progress=progress)
     checked = (f"not checked: {result.checked_by} is not installed" if result.max_difference is None
                else f"{result.checked_by} agrees with PyTorch to {result.max_difference:.1e}")
     console().print(f"[green]wrote[/] {result.graphs[0]} (opset {result.opset}, output "

@@ -60,10 +60,12 @@ def check_request(opset: int, dtype: str, quantize: str | None = None, fmt: str 
 
 def export_model(model_name: str, out=None, *, opset: int = DEFAULT_OPSET, dtype: str = "float32",
                 quantize: str | None = None, arch: str | None = None, overwrite: bool = False,
-                fmt: str = "onnx", progress: Progress = no_progress) -> OnnxExport:
+                fmt: str = "onnx", forms: str = "auto", progress: Progress = no_progress) -> OnnxExport:
     """Export the checkpoint ``model_name`` to ``onnx/`` (``fmt="openvino"``: ``openvino/``) in ``out`` (a copy
     of the checkpoint without its weights), else in the checkpoint itself, atomically; ``quantize="int8"``
-    adds the int8 graph (ONNX: for ``arch``, this machine's where None)."""
+    adds the int8 graph (ONNX: for ``arch``, this machine's where None). ``forms``: each low-rank pair's form
+    and each layer's precision, timed on this machine (``"auto"``) or one form for every pair
+    (``form_timing.plan_forms``)."""
     torch_dtype = check_request(opset, dtype, quantize, fmt, arch)
     arch = _require_runtime(fmt, quantize, arch)
     path = Path(resolve(model_name))
@@ -74,7 +76,7 @@ def export_model(model_name: str, out=None, *, opset: int = DEFAULT_OPSET, dtype
     with atomic_directory(target, replace_dir=True) as tmp:
         graphs_dir = tmp / FORMATS[fmt] if out is not None else tmp
         graphs_dir.mkdir(exist_ok=True)
-        result = _write_format(fmt, model, tokenizer, graphs_dir, opset, quantize, arch, progress)
+        result = _write_format(fmt, model, tokenizer, graphs_dir, opset, quantize, arch, forms, progress)
         if out is not None:
             _write_config(model.config, tmp)
             tokenizer.save_pretrained(tmp)
@@ -96,10 +98,11 @@ def _require_runtime(fmt: str, quantize: str | None, arch: str | None) -> str | 
     return check_arch(arch) if arch is not None else this_machine_arch() if quantize else None
 
 
-def _write_format(fmt, model, tokenizer, directory: Path, opset, quantize, arch, progress) -> OnnxExport:
+def _write_format(fmt, model, tokenizer, directory: Path, opset, quantize, arch, forms, progress) -> OnnxExport:
     if fmt == "openvino":
-        return write_openvino_graphs(model, tokenizer, directory, opset=opset, quantize=quantize, progress=progress)
-    return write_graphs(model, tokenizer, directory, opset=opset, quantize=quantize, arch=arch, progress=progress)
+        return write_openvino_graphs(model, tokenizer, directory, quantize=quantize, forms=forms, progress=progress)
+    return write_graphs(model, tokenizer, directory, opset=opset, quantize=quantize, arch=arch, forms=forms,
+                        progress=progress)
 
 
 def _destination(path: Path, out, overwrite: bool, graphs: str = ONNX_FOLDER) -> tuple[Path, Path]:

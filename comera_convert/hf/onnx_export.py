@@ -12,9 +12,8 @@ onnxruntime on a tokenized sample.
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
-import warnings
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,8 +21,11 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..layers.serving_forms import serving_copy
 from ..progress import Progress, no_progress
+from .form_timing import plan_forms, write_plans
 from .onnx_int8 import external_data, int8_file_name, quantize_int8
+from .runtimes import quiet_exporter
 
 ONNX_FOLDER = "onnx"  # where sentence-transformers and optimum look for graphs
 ONNX_FILE = "model.onnx"
@@ -51,12 +53,13 @@ SAMPLE_TEXTS = ["Tensor trains keep large models small.", "A second, longer samp
 class OnnxExport:
     out: Path  # the folder holding onnx/
     output_name: str
-    opset: int
+    opset: int | None  # None: no ONNX graph on the way (OpenVINO converts the PyTorch module)
     max_difference: float | None  # None: onnxruntime was not there to check
     graphs: list[Path] = field(default_factory=list)  # the written graphs, float first
     int8_difference: float | None = None  # relative error of the int8 graph's hidden states
     checked_by: str = "onnxruntime"  # the runtime that ran the graphs against PyTorch
     notes: list[str] = field(default_factory=list)
+    forms: dict | None = None  # the serving forms chosen per graph (form_timing.write_plans)
 
 
 class MainOutput(nn.Module):
@@ -81,13 +84,15 @@ class MainOutput(nn.Module):
 
 
 def write_graphs(model: nn.Module, tokenizer, directory: Path, *, opset: int = DEFAULT_OPSET,
-                 quantize: str | None = None, arch: str | None = None, prepare: bool = True,
+                 quantize: str | None = None, arch: str | None = None, prepare: bool = True, forms: str = "auto",
                  progress: Progress = no_progress) -> OnnxExport:
     """Write ``model``'s graph (in its dtype) to ``directory/model.onnx`` and, with ``quantize``, the int8 graph
     for ``arch``, each checked against PyTorch on a tokenized sample; ``prepare=False`` quantizes the graph
-    as it is, as sentence-transformers does (``onnx_int8.quantize_int8``)."""
+    as it is, as sentence-transformers does (``onnx_int8.quantize_int8``). ``forms``: each low-rank pair's
+    serving form and each layer's precision, timed on this machine (``"auto"``) or one form for every pair
+    (``form_timing.plan_forms``); the plans are written beside the graphs."""
     with eager_attention(model):
-        return _write_graphs(model, tokenizer, directory, opset, quantize, arch, prepare, progress)
+        return _write_graphs(model, tokenizer, directory, opset, quantize, arch, prepare, forms, progress)
 
 
 @contextlib.contextmanager
@@ -128,24 +133,37 @@ def reference_outputs(model: nn.Module, tokenizer) -> Reference:
     return Reference(sample, output_name, expected)
 
 
-def _write_graphs(model, tokenizer, directory: Path, opset, quantize, arch, prepare, progress) -> OnnxExport:
+def _write_graphs(model, tokenizer, directory: Path, opset, quantize, arch, prepare, forms, progress) -> OnnxExport:
     reference = reference_outputs(model, tokenizer)
     torch_dtype = next(model.parameters()).dtype
+    plans = {ONNX_FILE: plan_forms(model, "onnx", False, forms, progress=progress)}
     file = directory / ONNX_FILE
-    progress(f"exporting to ONNX (opset {opset})")
-    _export(MainOutput(model), reference.sample, file, opset, reference.output_name)
-    _into_one_file(file)
+    _export_served(model, plans[ONNX_FILE], reference, file, opset, progress)
     progress("checking with onnxruntime")
     difference = _check_with_onnxruntime(file, reference.sample, reference.expected, torch_dtype)
     result = OnnxExport(out=directory, output_name=reference.output_name, opset=opset, max_difference=difference,
                         graphs=[file])
     if quantize:
-        progress(f"quantizing to int8 for {arch}")
         quantized = directory / int8_file_name(arch)
-        quantize_int8(file, quantized, arch, prepare=prepare)
+        plans[quantized.name] = plan = plan_forms(model, "onnx", True, forms, progress=progress)
+        with tempfile.TemporaryDirectory(prefix="comera-onnx-") as folder:
+            source = file
+            if plan.forms() != plans[ONNX_FILE].forms():
+                source = Path(folder) / ONNX_FILE
+                _export_served(model, plan, reference, source, opset, progress)
+            progress(f"quantizing to int8 for {arch}")
+            quantize_int8(source, quantized, arch, prepare=prepare, float_layers=plan.float_layers())
         result.int8_difference = _check_int8(quantized, reference.sample, reference.expected)
         result.graphs.append(quantized)
+    result.forms = write_plans(plans, directory)
     return result
+
+
+def _export_served(model, plan, reference: "Reference", file: Path, opset: int, progress) -> None:
+    """``model`` in the serving forms of ``plan`` (``layers/serving_forms.py``) exported to ``file``."""
+    progress(f"exporting to ONNX (opset {opset})")
+    _export(MainOutput(serving_copy(model, plan.forms())), reference.sample, file, opset, reference.output_name)
+    _into_one_file(file)
 
 
 def _into_one_file(file: Path) -> None:
@@ -164,7 +182,7 @@ def _into_one_file(file: Path) -> None:
 
 def _export(wrapped: nn.Module, sample: dict, file: Path, opset: int, output_name: str) -> None:
     dynamic = {name: {0: "batch", 1: "sequence"} for name in sample}
-    with _quiet_exporter():
+    with quiet_exporter():
         try:
             torch.onnx.export(wrapped, (), str(file), kwargs=sample, dynamo=True, opset_version=opset,
                               input_names=list(sample), output_names=[output_name], dynamic_shapes=dynamic,
@@ -173,22 +191,6 @@ def _export(wrapped: nn.Module, sample: dict, file: Path, opset: int, output_nam
             cause = err.__cause__ or err
             first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
             raise ConfigError(f"ONNX export of {type(wrapped.model).__name__} failed: {first}") from None
-
-
-@contextlib.contextmanager
-def _quiet_exporter():
-    """The exporter prints its progress and warns about optional packages; none of it is the user's."""
-    loggers = [logging.getLogger(name) for name in ("torch.onnx", "torch.export", "onnxscript")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
 
 
 def _check_with_onnxruntime(file: Path, sample: dict, expected: torch.Tensor, dtype: torch.dtype) -> float | None:

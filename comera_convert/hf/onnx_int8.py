@@ -67,13 +67,35 @@ def require_onnxruntime(what: str) -> None:
         raise ConfigError(f"{what} needs onnxruntime: pip install 'comera-convert[onnx]'") from None
 
 
-def quantize_int8(source: Path, target: Path, arch: str, prepare: bool = True) -> None:
+def quantize_int8(source: Path, target: Path, arch: str, prepare: bool = True, float_layers=()) -> None:
     """Write ``source``'s graph with int8 weights to ``target``, quantized as sentence-transformers' export
-    for ``arch`` is; ``prepare`` first folds it so that every weight can be (``prepare_for_int8``)."""
+    for ``arch`` is; ``prepare`` first folds it so that every weight can be (``prepare_for_int8``). The
+    products of ``float_layers`` (module names of the exported model) stay float."""
+    excluded = layer_nodes(source, float_layers) if float_layers else []
     with tempfile.TemporaryDirectory(prefix="comera-int8-") as folder:
         if prepare and not external_data(source):  # the prepared graph is saved whole: below 2 GB
             source = prepare_for_int8(source, Path(folder) / "prepared.onnx")
-        _quantize_dynamic(source, target, arch)
+        _quantize_dynamic(source, target, arch, excluded)
+
+
+NAME_SCOPES = "pkg.torch.onnx.name_scopes"  # torch's exporter: the module path of each node, as a list
+
+
+def layer_nodes(file: Path, layers) -> list[str]:
+    """The products (MatMul, Gemm) in ``file`` that torch's exporter made of modules ``layers`` or their
+    children, by node name (as ``MainOutput`` holds the model: under ``model.``); a Gemm under the name
+    ``prepare_for_int8`` gives its MatMul too."""
+    import ast
+
+    import onnx
+
+    wanted = {f"model.{layer}" for layer in layers}
+    names = []
+    for node in onnx.load(str(file), load_external_data=False).graph.node:
+        scopes = next((ast.literal_eval(p.value) for p in node.metadata_props if p.key == NAME_SCOPES), [])
+        if node.op_type in ("MatMul", "Gemm") and wanted.intersection(scopes):
+            names += [node.name, f"{node.name}_matmul"] if node.op_type == "Gemm" else [node.name]
+    return names
 
 
 def prepare_for_int8(source: Path, target: Path) -> Path:
@@ -126,7 +148,7 @@ def external_data(file: Path) -> list[Path]:
     return [p for p in file.parent.iterdir() if p.name.startswith(file.name + ".") or p.name == file.name + "_data"]
 
 
-def _quantize_dynamic(source: Path, target: Path, arch: str) -> None:
+def _quantize_dynamic(source: Path, target: Path, arch: str, excluded: list[str] = ()) -> None:
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     quiet = logging.getLogger()  # onnxruntime suggests its pre-processing on the root logger
@@ -134,6 +156,7 @@ def _quantize_dynamic(source: Path, target: Path, arch: str) -> None:
     quiet.setLevel(logging.ERROR)
     try:
         quantize_dynamic(str(source), str(target), per_channel=True, reduce_range=False,
-                         weight_type=getattr(QuantType, WEIGHT_TYPES[check_arch(arch)]))
+                         weight_type=getattr(QuantType, WEIGHT_TYPES[check_arch(arch)]),
+                         nodes_to_exclude=list(excluded))
     finally:
         quiet.setLevel(level)

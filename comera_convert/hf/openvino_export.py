@@ -1,8 +1,10 @@
 """OpenVINO graphs of a compressed checkpoint, where sentence-transformers' ``backend="openvino"`` looks.
 
-The model is exported to ONNX as ``onnx_export.py`` exports it (checked against PyTorch), and
-OpenVINO converts that graph: ``openvino/openvino_model.xml`` with its weights beside it in
-``openvino_model.bin``, the layout optimum-intel saves. With ``quantize="int8"``,
+The model, each compressed layer in its serving form (``layers/serving_forms.py``: a low-rank pair as two
+linears or as their product, whichever ``form_timing.py`` measured faster here), is converted by OpenVINO's
+PyTorch frontend, as optimum-intel converts a dense model (attention as OpenVINO's fused scaled-dot-product
+operation): ``openvino/openvino_model.xml`` with its weights beside it in ``openvino_model.bin``, the layout
+optimum-intel saves, and the forms chosen in ``serving_forms.json``. With ``quantize="int8"``,
 ``openvino/openvino_model_qint8_quantized.xml`` as sentence-transformers'
 ``export_static_quantized_openvino_model`` makes it: NNCF's static post-training quantization for
 transformers (weights and activations int8), calibrated on text; here the training split of the
@@ -14,19 +16,20 @@ float32 (OpenVINO computes in bfloat16 by default where the CPU has it), the int
 from __future__ import annotations
 
 import contextlib
-import io
-import logging
-import tempfile
+import re
+import warnings
 from itertools import islice
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ..errors import ConfigError
 from ..progress import Progress, no_progress
 from ..text import training_documents
-from .onnx_export import TOLERANCE, eager_attention, reference_outputs, relative_error, write_graphs
+from ..layers.serving_forms import serving_copy
+from .form_timing import FormPlan, plan_forms, write_plans
+from .runtimes import compile_graph, graph_input, quiet_nncf, run_graph
+from .onnx_export import TOLERANCE, MainOutput, OnnxExport, reference_outputs, relative_error
 
 OPENVINO_FOLDER = "openvino"  # where sentence-transformers and optimum-intel look for OpenVINO graphs
 OPENVINO_FILE = "openvino_model.xml"
@@ -52,70 +55,73 @@ def require_openvino(what: str) -> None:
         raise ConfigError(f"{what} needs openvino and nncf: pip install 'comera-convert[openvino]'")
 
 
-def write_openvino_graphs(model: torch.nn.Module, tokenizer, directory: Path, *, opset: int, quantize: str | None,
-                          progress: Progress = no_progress):
+def write_openvino_graphs(model: torch.nn.Module, tokenizer, directory: Path, *, quantize: str | None,
+                          forms: str = "auto", progress: Progress = no_progress):
     """Write ``model``'s OpenVINO graph to ``directory/openvino_model.xml`` and, with ``quantize``, the int8
-    graph; each checked against PyTorch on the tokenized sample. Returns the export's record
-    (``onnx_export.OnnxExport``) with these graphs; exported with plain attention, as the ONNX graph is
-    (``onnx_export.eager_attention``)."""
-    with eager_attention(model):
-        return _write_openvino_graphs(model, tokenizer, directory, opset, quantize, progress)
-
-
-def _write_openvino_graphs(model, tokenizer, directory: Path, opset: int, quantize, progress):
+    graph; each checked against PyTorch on the tokenized sample. ``forms``: each low-rank pair's serving form
+    and each layer's precision, timed on this machine (``"auto"``, ``form_timing.py``) or one form for every
+    pair with every layer in int8; the plans are written beside the graphs (``FORMS_FILE``). Returns the
+    export's record (``onnx_export.OnnxExport``) with these graphs."""
     import openvino
 
     reference = reference_outputs(model, tokenizer)
-    with tempfile.TemporaryDirectory(prefix="comera-openvino-") as folder:
-        result = write_graphs(model, tokenizer, Path(folder), opset=opset, progress=progress)
-        progress("converting to OpenVINO")
-        graph = openvino.convert_model(str(result.graphs[0]))
+    plans = {OPENVINO_FILE: plan_forms(model, "openvino", False, forms, progress=progress)}
+    graph = frontend_graph(model, plans[OPENVINO_FILE], reference.sample, progress)
     file = directory / OPENVINO_FILE
     openvino.save_model(graph, str(file), compress_to_fp16=False)
-    result.max_difference = _check_float(file, reference)
-    result.graphs, result.checked_by = [file], "OpenVINO"
+    result = OnnxExport(out=directory, output_name=reference.output_name, opset=None, graphs=[file],
+                        max_difference=_check_float(file, reference), checked_by="OpenVINO")
     if quantize:
+        plans[INT8_FILE] = plan = plan_forms(model, "openvino", True, forms, progress=progress)
+        if plan.forms() != plans[OPENVINO_FILE].forms():
+            graph = frontend_graph(model, plan, reference.sample, progress)
         progress(f"quantizing to int8 on {CALIBRATION_TEXTS} texts of the {CALIBRATION_SOURCE} corpus")
         quantized = directory / INT8_FILE
         tokens = min(CALIBRATION_TOKENS, getattr(model.config, "max_position_embeddings", CALIBRATION_TOKENS))
-        openvino.save_model(quantize_static(graph, tokenizer, tokens), str(quantized), compress_to_fp16=False)
+        openvino.save_model(quantize_static(graph, tokenizer, tokens, float_layers=plan.float_layers()),
+                            str(quantized), compress_to_fp16=False)
         result.int8_difference = _check_int8(quantized, reference)
         result.graphs.append(quantized)
+    result.forms = write_plans(plans, directory)
     return result
 
 
-def quantize_static(graph, tokenizer, tokens: int = CALIBRATION_TOKENS):
+def frontend_graph(model: torch.nn.Module, plan: FormPlan, sample: dict, progress: Progress = no_progress):
+    """``model`` in its serving forms (``plan``), converted by OpenVINO's PyTorch frontend as optimum-intel
+    converts a dense model: traced on ``sample``, inputs of any batch and length, attention written as
+    scaled-dot-product attention (OpenVINO's fused operation) where the architecture has it."""
+    import openvino
+
+    progress("converting to OpenVINO (PyTorch frontend)")
+    served = serving_copy(model, plan.forms())
+    with contextlib.suppress(ValueError, ImportError, AttributeError):  # an architecture without it: as it is
+        served.set_attn_implementation("sdpa")
+    with warnings.catch_warnings():  # the tracer warns of every shape it reads as a constant
+        warnings.simplefilter("ignore")
+        return openvino.convert_model(MainOutput(served), example_input=sample)
+
+
+def quantize_static(graph, tokenizer, tokens: int = CALIBRATION_TOKENS, float_layers=()):
     """``graph`` with int8 weights and activations by NNCF's post-training quantization for transformers,
-    calibrated on the training split of the package's english corpus, each text cut to ``tokens``."""
+    calibrated on the training split of the package's english corpus, each text cut to ``tokens``; the
+    linears of ``float_layers`` (module names) are left in float."""
     import nncf
 
     names = [port.get_any_name() for port in graph.inputs]
     texts = list(islice(training_documents(CALIBRATION_SOURCE), CALIBRATION_TEXTS))
     samples = [tokenizer([text], truncation=True, max_length=tokens, return_tensors="np")
                for text in texts]
-    dataset = nncf.Dataset(samples, lambda encoded: {name: _input(encoded, name) for name in names})
-    with _quiet_nncf():
-        return nncf.quantize(graph, dataset, model_type=nncf.ModelType.TRANSFORMER, subset_size=len(samples))
+    dataset = nncf.Dataset(samples, lambda encoded: {name: graph_input(encoded, name) for name in names})
+    ignored = nncf.IgnoredScope(patterns=[layer_pattern(name) for name in float_layers], validate=False)
+    with quiet_nncf():
+        return nncf.quantize(graph, dataset, model_type=nncf.ModelType.TRANSFORMER, subset_size=len(samples),
+                             ignored_scope=ignored)
 
 
-def run_graph(compiled, feeds: dict) -> np.ndarray:
-    """The compiled graph's first output on ``feeds`` (numpy arrays by input name; token type ids as zeros
-    where the graph takes them and none are given)."""
-    return compiled({port.get_any_name(): _input(feeds, port.get_any_name()) for port in compiled.inputs})[0]
-
-
-def compile_graph(file, config: dict | None = None):
-    """``file`` compiled for this machine's CPU, answering one request at a time with all its cores (what
-    optimum-intel asks of OpenVINO by default)."""
-    import openvino
-
-    return openvino.Core().compile_model(str(file), "CPU", {"PERFORMANCE_HINT": "LATENCY", **(config or {})})
-
-
-def _input(encoded, name: str) -> np.ndarray:
-    if name == "token_type_ids" and name not in encoded:
-        return np.zeros_like(np.asarray(encoded["input_ids"]))
-    return np.asarray(encoded[name])
+def layer_pattern(name: str) -> str:
+    """The pattern of the graph nodes the PyTorch frontend makes of module ``name`` of the exported model
+    (``MainOutput`` holds it as ``model``): its own and, for a pair, its two linears'."""
+    return rf"__module\.model\.{re.escape(name)}(\.first|\.second)?/.*"
 
 
 def _check_float(file: Path, reference) -> float:
@@ -135,16 +141,3 @@ def _check_int8(file: Path, reference) -> float:
 
 def _numpy(sample: dict) -> dict:
     return {name: value.numpy() for name, value in sample.items()}
-
-
-@contextlib.contextmanager
-def _quiet_nncf():
-    """NNCF draws progress bars and logs each step; the export reports its own progress."""
-    logger = logging.getLogger("nncf")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            yield
-    finally:
-        logger.setLevel(level)
