@@ -115,3 +115,42 @@ def test_the_cosine_state_distance_reads_each_tokens_direction():
     for s in padded:
         s[:, -1] = -s[:, -1]  # opposite direction, only where the mask is 0
     assert float(distill_loss(padded, teacher, mask, states="cosine")) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_the_pooled_embeddings_structure_is_what_relational_distillation_matches():
+    from comera_convert.training.objectives import POOLED_DISTANCES, SIMILARITY_TEMPERATURE
+
+    generator = torch.Generator().manual_seed(0)
+    teacher = torch.randn(6, 16, generator=generator)
+    cosine, relational, contrastive = (POOLED_DISTANCES[name] for name in ("cosine", "relational", "contrastive"))
+    assert float(relational(teacher, teacher)) == pytest.approx(0.0, abs=1e-6)
+    # rotated as a whole: every text's cosine to its teacher falls, the batch's similarity structure stays
+    rotation = torch.linalg.qr(torch.randn(16, 16, generator=generator))[0]
+    rotated = teacher @ rotation
+    assert float(cosine(rotated, teacher)) > 0.5
+    assert float(relational(rotated, teacher)) == pytest.approx(float(cosine(rotated, teacher)), abs=1e-5)
+    # each text moved a little towards another: close by cosine, its neighbours changed
+    shuffled = 0.8 * teacher + 0.6 * teacher[torch.tensor([1, 0, 3, 2, 5, 4])]
+    assert float(relational(shuffled, teacher)) - float(cosine(shuffled, teacher)) > 0.1
+    # contrastive: its own text's teacher embedding among the batch's, at the temperature
+    unit_s = torch.nn.functional.normalize(shuffled, dim=-1)
+    scores = unit_s @ torch.nn.functional.normalize(teacher, dim=-1).t() / SIMILARITY_TEMPERATURE
+    expected = float(cosine(shuffled, teacher)) + float(torch.nn.functional.cross_entropy(scores, torch.arange(6)))
+    assert float(contrastive(shuffled, teacher)) == pytest.approx(expected, rel=1e-5)
+    assert float(contrastive(teacher, teacher)) < float(contrastive(shuffled, teacher))
+    one = teacher[:1]  # one text a batch has no structure: the cosine alone
+    assert float(relational(one * 2 + 1, one)) == pytest.approx(float(cosine(one * 2 + 1, one)), abs=1e-6)
+
+
+def test_the_distillation_loss_takes_the_pooled_distance_it_is_given():
+    teacher, student = (tuple(torch.cat([a, b]) for a, b in zip(states(2, seed), states(2, seed + 7)))
+                        for seed in (0, 1))  # four texts: each has others to be near or far from
+    mask = torch.ones(4, 5, dtype=torch.long)
+    plain = float(distill_loss(student, teacher, mask))
+    assert float(distill_loss(student, teacher, mask, pooled="cosine")) == pytest.approx(plain)
+    assert float(distill_loss(student, teacher, mask, pooled="relational")) > plain
+    from comera_convert.errors import ConfigError
+    from comera_convert.training.options import TrainOptions
+
+    with pytest.raises(ConfigError, match=r"expected a distill_pooled in \('cosine', 'relational', 'contrastive'\)"):
+        TrainOptions(distill_pooled="structure")

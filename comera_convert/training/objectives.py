@@ -133,11 +133,51 @@ def _token_cosine_distance(student_hidden, teacher_hidden, weight) -> torch.Tens
 # How a hidden state is matched (``TrainOptions.distill_states``).
 STATE_DISTANCES = {"relative-mse": _relative_mse, "cosine": _token_cosine_distance}
 
+# The temperature of the in-batch similarities: sentence-transformers' ranking losses score cosines times
+# 20, which is how sentence encoders such as all-MiniLM-L6-v2 were trained to separate their texts.
+SIMILARITY_TEMPERATURE = 0.05
 
-def distill_loss(student_states, teacher_states, mask, states: str = "relative-mse") -> torch.Tensor:
-    """The last hidden states' distance + (1 - cosine) of the pooled embeddings + the mean distance of
-    the layers in between, when both models have the same depth; ``states`` names the distance
-    (STATE_DISTANCES: the relative MSE, or each token's cosine distance).
+
+def _pooled_cosine(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """1 - cosine of each text's student and teacher embeddings, averaged over the batch."""
+    return (1 - F.cosine_similarity(student, teacher, dim=-1)).mean()
+
+
+def _relational(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """The pooled cosine + how far the student's in-batch similarity structure is from the teacher's: for each
+    text, the KL divergence from the teacher's softmax over its similarities to the batch's other texts to
+    the student's (what retrieval ranks by), at ``SIMILARITY_TEMPERATURE``."""
+    others = ~torch.eye(student.shape[0], dtype=torch.bool, device=student.device)
+    if not others.any():  # one text a batch has no structure to match
+        return _pooled_cosine(student, teacher)
+
+    def log_ranks(embeddings):
+        unit = F.normalize(embeddings.float(), dim=-1)
+        scores = (unit @ unit.t() / SIMILARITY_TEMPERATURE)[others].reshape(len(unit), -1)
+        return F.log_softmax(scores, dim=-1)
+
+    structure = F.kl_div(log_ranks(student), log_ranks(teacher), log_target=True, reduction="batchmean")
+    return _pooled_cosine(student, teacher) + structure
+
+
+def _contrastive(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """The pooled cosine + each student embedding's cross-entropy at picking its own text's teacher embedding
+    among the batch's (InfoNCE against the teacher, at ``SIMILARITY_TEMPERATURE``)."""
+    scores = F.normalize(student.float(), dim=-1) @ F.normalize(teacher.float(), dim=-1).t()
+    own = torch.arange(len(scores), device=scores.device)
+    return _pooled_cosine(student, teacher) + F.cross_entropy(scores / SIMILARITY_TEMPERATURE, own)
+
+
+# How the pooled sentence embeddings are matched (``TrainOptions.distill_pooled``).
+POOLED_DISTANCES = {"cosine": _pooled_cosine, "relational": _relational, "contrastive": _contrastive}
+
+
+def distill_loss(student_states, teacher_states, mask, states: str = "relative-mse",
+                 pooled: str = "cosine") -> torch.Tensor:
+    """The last hidden states' distance + the pooled embeddings' distance + the mean distance of the layers
+    in between, when both models have the same depth; ``states`` names the states' distance
+    (STATE_DISTANCES: the relative MSE, or each token's cosine distance), ``pooled`` the embeddings'
+    (POOLED_DISTANCES: 1 - cosine, alone or with the batch's similarity structure or a contrastive term).
 
     The states are the models' ``hidden_states`` (the embedding output, then one per layer). The
     compressed student keeps the teacher's depth, so every layer gets its own target, which distils to
@@ -146,8 +186,7 @@ def distill_loss(student_states, teacher_states, mask, states: str = "relative-m
     distance = STATE_DISTANCES[states]
     weight = mask.unsqueeze(-1).to(student_states[-1].dtype)
     loss = distance(student_states[-1], teacher_states[-1], weight)
-    cosine = F.cosine_similarity(pool(student_states[-1], mask), pool(teacher_states[-1], mask), dim=-1)
-    loss = loss + (1 - cosine).mean()
+    loss = loss + POOLED_DISTANCES[pooled](pool(student_states[-1], mask), pool(teacher_states[-1], mask))
     inner = list(zip(student_states[1:-1], teacher_states[1:-1]))
     if inner and len(student_states) == len(teacher_states):
         loss = loss + sum(distance(s, t, weight) for s, t in inner) / len(inner)
@@ -155,16 +194,15 @@ def distill_loss(student_states, teacher_states, mask, states: str = "relative-m
 
 
 def blockwise_distill_loss(student: "BlockStates", teacher: "BlockStates", mask,
-                           states: str = "relative-mse") -> torch.Tensor:
+                           states: str = "relative-mse", pooled: str = "cosine") -> torch.Tensor:
     """The mean distance (``states``, as in ``distill_loss``) of every state (what the first block
-    reads, then each block's output, each block having read the teacher's states before it) +
-    (1 - cosine) of the pooled last hidden states."""
+    reads, then each block's output, each block having read the teacher's states before it) + the
+    distance (``pooled``) of the pooled last hidden states."""
     distance = STATE_DISTANCES[states]
     weight = mask.unsqueeze(-1).to(student.last.dtype)
     pairs = list(zip(student.states, teacher.states))
     loss = sum(distance(s, t, weight) for s, t in pairs) / len(pairs)
-    cosine = F.cosine_similarity(pool(student.last, mask), pool(teacher.last, mask), dim=-1)
-    return loss + (1 - cosine).mean()
+    return loss + POOLED_DISTANCES[pooled](pool(student.last, mask), pool(teacher.last, mask))
 
 
 def model_blocks(model) -> torch.nn.ModuleList:
@@ -223,10 +261,10 @@ def block_states(model, batch: dict, feed: list | None = None) -> BlockStates:
 
 
 def task_loss(objective: str, model, inputs: dict, teacher=None, blockwise: bool = False,
-              states: str = "relative-mse") -> torch.Tensor:
+              states: str = "relative-mse", pooled: str = "cosine") -> torch.Tensor:
     """The objective's loss; ``blockwise`` (distill only): every student block reads the teacher's
     hidden states before it (``blockwise_distill_loss``); ``states``: how distillation matches a
-    hidden state (STATE_DISTANCES)."""
+    hidden state (STATE_DISTANCES); ``pooled``: the pooled embeddings (POOLED_DISTANCES)."""
     if objective in ("mlm", "clm"):
         return model(**inputs).loss
     batch = {k: v for k, v in inputs.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
@@ -234,10 +272,10 @@ def task_loss(objective: str, model, inputs: dict, teacher=None, blockwise: bool
     if not blockwise:
         with torch.no_grad():
             target = teacher(**batch, output_hidden_states=True).hidden_states
-        return distill_loss(model(**batch, output_hidden_states=True).hidden_states, target, mask, states)
+        return distill_loss(model(**batch, output_hidden_states=True).hidden_states, target, mask, states, pooled)
     with torch.no_grad():
         target = block_states(teacher, batch)
-    return blockwise_distill_loss(block_states(model, batch, feed=target.inputs), target, mask, states)
+    return blockwise_distill_loss(block_states(model, batch, feed=target.inputs), target, mask, states, pooled)
 
 
 def require_same_depth(student, teacher) -> None:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from ..choices import DISTILL_MODES, DISTILL_STATES, LATE_OBJECTIVES, LR_SCHEDULERS, OBJECTIVES, REPROJECT_AT
+from ..choices import (DISTILL_MODES, DISTILL_POOLED, DISTILL_STATES, LATE_OBJECTIVES, LR_SCHEDULERS, OBJECTIVES,
+                       REPROJECT_AT)
 from ..errors import ConfigError, expected
 from ..option_files import from_mapping, option
 from .budget import SCHEDULE_SHARE
@@ -267,6 +268,13 @@ class TrainOptions:
         "Match each hidden state by its squared error relative to the teacher's, or by each token's "
         "cosine distance [default: cosine where the conversion cut the float factorized layers 3x or "
         "more, else relative-mse].", choices=DISTILL_STATES)
+    # How the pooled sentence embeddings are matched: "cosine", each text's embedding against the teacher's;
+    # "relational" adds the batch's similarity structure (which text each text is nearest, as retrieval
+    # ranks them), "contrastive" a cross-entropy at picking its own text's teacher embedding.
+    distill_pooled: str = option(
+        "cosine", "distillation",
+        "Match the pooled embeddings by cosine, or also by the batch's similarity structure (relational) or "
+        "a contrastive term [default: cosine].", choices=DISTILL_POOLED)
     logging_steps: int = option(10, "run", "Log the loss and the ratio every N steps [default: 10].", type=int)
     save_steps: int = option(
         500, "run",
@@ -336,6 +344,8 @@ class TrainOptions:
             raise ConfigError(expected(f"a distill_mode in {DISTILL_MODES}", self.distill_mode))
         if self.distill_states is not None and self.distill_states not in DISTILL_STATES:
             raise ConfigError(expected(f"a distill_states in {DISTILL_STATES}", self.distill_states))
+        if self.distill_pooled not in DISTILL_POOLED:
+            raise ConfigError(expected(f"a distill_pooled in {DISTILL_POOLED}", self.distill_pooled))
         if self.distill_mode == "block-wise" and self.compile:
             raise ConfigError("--distill-mode block-wise with --compile: each step feeds the blocks new "
                               "teacher states through hooks, which the CUDA graphs cannot hold (drop one of the two)")

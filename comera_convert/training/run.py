@@ -133,9 +133,9 @@ def evaluating(model):
 
 
 def held_out_loss(model, blocks, objective, collate, teacher, batch_size: int,
-                  states: str = "relative-mse") -> float:
-    """The end-to-end objective on the held-out blocks (``states``: distillation's distance of a hidden
-    state, so that the figure is the loss training lowers)."""
+                  states: str = "relative-mse", pooled: str = "cosine") -> float:
+    """The end-to-end objective on the held-out blocks (``states`` and ``pooled``: distillation's distances of
+    a hidden state and of the pooled embeddings, so that the figure is the loss training lowers)."""
     if not blocks:
         return float("nan")
     losses = []
@@ -144,7 +144,7 @@ def held_out_loss(model, blocks, objective, collate, teacher, batch_size: int,
             batch = collate([{"input_ids": b, "index": -1 - start - i}
                              for i, b in enumerate(blocks[start:start + batch_size])])
             batch = {k: v.to(device) for k, v in batch.items()}
-            losses.append(float(task_loss(objective, model, batch, teacher, states=states)))
+            losses.append(float(task_loss(objective, model, batch, teacher, states=states, pooled=pooled)))
     return sum(losses) / len(losses)
 
 
@@ -391,7 +391,7 @@ class HeldOut:
     def measure(self) -> tuple[float, float | None, float | None]:
         s = self.session
         loss = held_out_loss(s.model, self.blocks, s.objective, self.collate, s.teacher, s.options.batch_size,
-                             s.options.distill_states)
+                             s.options.distill_states, s.options.distill_pooled)
         task = None
         if self.teacher_task and self.teacher_task["recall_at_1"]:
             with evaluating(s.model):

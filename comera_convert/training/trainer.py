@@ -159,7 +159,7 @@ class ComeraTrainer(TrainerCheckpointHooks, Trainer):
                                  and self.controller.state.cut_points < self.last_reprojection)
         loss = task_loss(self.objective, model, inputs, self.teacher,
                          blockwise=self.comera_options.distill_mode == "block-wise",
-                         states=self.comera_options.distill_states)
+                         states=self.comera_options.distill_states, pooled=self.comera_options.distill_pooled)
         total = self.controller.objective(loss)
         if not torch.isfinite(total):
             self.nan_streak += 1
