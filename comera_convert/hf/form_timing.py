@@ -1,28 +1,23 @@
 """Each compressed layer's fastest serving form and precision on this machine, chosen by timing it.
 
-A low-rank pair can serve as two GEMMs or multiplied out as one (``layers/serving_forms.py``), and in an
-int8 graph each linear can be rounded to int8 or left in the runtime's float precision (bfloat16 where
-OpenVINO finds the instructions, float32 otherwise). Which is fastest depends on the shape, the rank, the
-runtime and the CPU: a rank-96 pair of a 384-wide layer runs faster than its product in bfloat16 on an
-AMD EPYC, and a rank near half the width runs slower than one int8 GEMM. So the choice is measured, as
-torch.compile's autotuning and oneDNN's kernel selection measure theirs, and written into the export.
+A low-rank pair can serve as two GEMMs or multiplied out as one (``layers/serving_forms.py``), and in an int8
+graph each linear can be rounded to int8 or left in the runtime's float precision (bfloat16 where OpenVINO
+finds the instructions, float32 otherwise). Two products do fewer multiply-adds than their product where the
+rank is under about half the width, yet each GEMM has a cost of its own (and in int8 its input is quantized
+first), so which is fastest depends on the shape, the rank, the runtime and the CPU. The choice is measured,
+as torch.compile's autotuning and oneDNN's kernel selection measure theirs, and written into the export.
 
 Layers are grouped by shape (inputs, rank, outputs; a plain linear has no rank). For each group every
-candidate (form x precision) runs in the runtime as a chain of ``CHAIN_DEPTH`` of the group's own layers,
-``x -> norm(x + layer(x))`` (a layer that changes the width: ``x -> norm(x + back(gelu(layer(x))))``, the
-same ``back`` for every candidate), on one batch of the serving shape, the candidates taking turns for
-``rounds`` rounds; the fastest median wins. Where the spread of the winner's rounds is wider than its
-lead over the default (two int8 GEMMs for a pair, int8 for a plain linear), the default is kept and the
-group marked as too noisy to rank.
+candidate (form x precision) runs in the runtime as a chain of the group's own layers (``chain_timing.py``),
+the candidates taking turns for ``rounds`` rounds; the fastest median wins. Where the spread of the winner's
+rounds is wider than its lead over the default (two int8 GEMMs for a pair, int8 for a plain linear), the
+default is kept and the group marked as too noisy to rank.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
-import tempfile
-import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -37,17 +32,14 @@ from ..layers.serving_forms import FORMS, factor_pairs, linear_of, merged_form, 
 from ..layers.tt_linear import TTLinear, dense_weight_of, is_dense_linear
 from ..machine import cpu_description
 from ..progress import Progress, no_progress
-from .onnx_int8 import quantize_int8, this_machine_arch
-from .runtimes import compile_graph, quiet_nncf
+from .chain_timing import CHAIN_DEPTH, TIMERS, TIMING_SEED, ChainLayer, timed_rounds
 
 RUNTIMES = SERVING_RUNTIMES
 FORMS_FILE = "serving_forms.json"  # beside the graphs: each graph's plan and the CPU it was timed on
 PRECISIONS = ("int8", "float")
-CHAIN_DEPTH = 4  # layers per timed graph: enough that the graph's own input and output are not what is timed
 ROUNDS = 7  # every candidate runs once a round; the median round is its time
 WIDTH_STEP = 64  # plain linears whose widths round up to the same multiple of this are timed as one group
 SERVING_SHAPE = (32, 128)  # batch and tokens a timed batch has: sentence-transformers' batch, a mid-length text
-TIMING_SEED = 0
 
 
 @dataclass
@@ -162,11 +154,11 @@ def _timed_candidates(model, names, key, runtime, int8, shape, rounds) -> dict[s
     """Each candidate's rounds, on a chain of the group's layers of the first one's exact width."""
     modules = [model.get_submodule(name) for name in names]
     modules = [module for module in modules if _inputs(module) == _inputs(modules[0])][:CHAIN_DEPTH]
-    timer = _TIMERS[runtime]
+    timer = TIMERS[runtime]
     runners = {candidate: timer(_chain(modules, candidate.split("/")[0]), candidate.endswith("int8"),
                                 _inputs(modules[0]), shape)
                for candidate in candidates(list(key), int8)}
-    return _timed(runners, rounds)
+    return timed_rounds(runners, rounds)
 
 
 def write_plans(plans: dict[str, FormPlan], directory: Path) -> dict:
@@ -188,27 +180,6 @@ def _chosen(names: list[str], shape: list[int], rounds: dict[str, list[float]], 
                       {k: round(v, 3) for k, v in spread.items()}, default if noisy else fastest, noisy)
 
 
-def _timed(runners: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
-    for run in runners.values():  # warm-up: the first call packs weights and allocates
-        run()
-    times: dict[str, list[float]] = {name: [] for name in runners}
-    for _ in range(rounds):
-        for name, run in runners.items():
-            start = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - start)
-    return times
-
-
-@dataclass
-class _ChainLayer:
-    """One layer of a timed chain: its products in turn, each a float32 (outputs x inputs) weight and a bias
-    or None, and where it changes the width, the product back to it (the same for every candidate)."""
-
-    products: list[tuple[np.ndarray, np.ndarray | None]]
-    back: tuple[np.ndarray, np.ndarray] | None = None
-
-
 def _products(module: nn.Module, form: str) -> list[tuple[np.ndarray, np.ndarray | None]]:
     """The (weight, bias) products of ``module`` in ``form``, as the serving forms hold them."""
     if form == "merged":
@@ -227,7 +198,7 @@ def _array(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().float().cpu().numpy()
 
 
-def _chain(modules: list[nn.Module], form: str) -> list[_ChainLayer]:
+def _chain(modules: list[nn.Module], form: str) -> list[ChainLayer]:
     """``CHAIN_DEPTH`` layers of ``modules`` (repeated where the group is smaller) in ``form``."""
     width = _inputs(modules[0])
     generator = torch.Generator().manual_seed(TIMING_SEED)
@@ -239,7 +210,7 @@ def _chain(modules: list[nn.Module], form: str) -> list[_ChainLayer]:
         if outputs != width:
             weight = torch.randn(width, outputs, generator=generator) / outputs ** 0.5
             back = (_array(weight), np.zeros(width, np.float32))
-        chain.append(_ChainLayer(products, back))
+        chain.append(ChainLayer(products, back))
     return chain
 
 
@@ -247,115 +218,3 @@ def _inputs(module: nn.Module) -> int:
     return module.in_features if isinstance(module, TTLinear) else dense_weight_of(module)[0].shape[1]
 
 
-def _batch(width: int, shape: tuple[int, int]) -> np.ndarray:
-    generator = torch.Generator().manual_seed(TIMING_SEED)
-    return torch.randn(*shape, width, generator=generator).numpy()
-
-
-def _openvino_graph(chain: list[_ChainLayer], width: int):
-    """The chain as an OpenVINO model, built from its operations (as the PyTorch frontend writes a linear:
-    a product by the transposed weight, then the bias; a layer norm as MVN, scale and shift)."""
-    import openvino
-
-    ops = _openvino_ops()
-
-    def linears(y, products):
-        for weight, bias in products:
-            y = ops.matmul(y, ops.constant(weight), False, True)
-            y = y if bias is None else ops.add(y, ops.constant(bias))
-        return y
-
-    x = ops.parameter([-1, -1, width], np.float32, name="x")
-    hidden = x
-    for layer in chain:
-        y = linears(hidden, layer.products)
-        if layer.back is not None:
-            y = linears(ops.gelu(y, "erf"), [layer.back])
-        normed = ops.mvn(ops.add(hidden, y), ops.constant(np.array([-1], np.int64)), True, 1e-12, "inside_sqrt")
-        hidden = ops.add(ops.multiply(normed, ops.constant(np.ones(width, np.float32))),
-                         ops.constant(np.zeros(width, np.float32)))
-    return openvino.Model([hidden], [x], "chain")
-
-
-def _openvino_ops():
-    try:
-        import openvino.opset13 as ops
-    except ImportError:  # openvino before 2025 keeps its operation sets under openvino.runtime
-        import openvino.runtime.opset13 as ops
-    return ops
-
-
-def _openvino_timer(chain: list[_ChainLayer], int8: bool, width: int, shape: tuple[int, int]) -> Callable[[], None]:
-    graph = _openvino_graph(chain, width)
-    example = _batch(width, shape)
-    if int8:
-        import nncf
-        from nncf.quantization.advanced_parameters import (AdvancedQuantizationParameters,
-                                                           AdvancedSmoothQuantParameters)
-
-        # The quantizers where the model's graph gets them; smoothing and bias correction change values, not
-        # what runs, and are left out of a graph that is only timed.
-        untuned = AdvancedQuantizationParameters(smooth_quant_alphas=AdvancedSmoothQuantParameters(matmul=-1),
-                                                 disable_bias_correction=True)
-        with quiet_nncf():
-            graph = nncf.quantize(graph, nncf.Dataset([example[:1]]), model_type=nncf.ModelType.TRANSFORMER,
-                                  subset_size=1, fast_bias_correction=True, advanced_parameters=untuned)
-    compiled = compile_graph(graph)
-    return lambda: compiled(example)
-
-
-def _onnx_graph(chain: list[_ChainLayer], width: int):
-    """The chain as an ONNX model (opset 17), linears as torch's exporter writes them: MatMul by the
-    transposed weight, then Add; gelu as its erf form; layer norm as LayerNormalization."""
-    from onnx import TensorProto, helper, numpy_helper
-
-    nodes, weights = [], []
-
-    def constant(value: np.ndarray) -> str:
-        name = f"c{len(weights)}"
-        weights.append(numpy_helper.from_array(np.ascontiguousarray(value), name))
-        return name
-
-    def node(op: str, *inputs: str, **attributes) -> str:
-        output = f"t{len(nodes)}"
-        nodes.append(helper.make_node(op, list(inputs), [output], **attributes))
-        return output
-
-    def linears(y: str, products) -> str:
-        for weight, bias in products:
-            y = node("MatMul", y, constant(weight.T))
-            y = y if bias is None else node("Add", y, constant(bias))
-        return y
-
-    hidden = "x"
-    scale, shift = constant(np.ones(width, np.float32)), constant(np.zeros(width, np.float32))
-    for layer in chain:
-        y = linears(hidden, layer.products)
-        if layer.back is not None:
-            half, root, one = (constant(np.float32(value)) for value in (0.5, 2 ** -0.5, 1.0))
-            gelu = node("Mul", node("Mul", y, half), node("Add", node("Erf", node("Mul", y, root)), one))
-            y = linears(gelu, [layer.back])
-        hidden = node("LayerNormalization", node("Add", hidden, y), scale, shift, axis=-1, epsilon=1e-12)
-    graph = helper.make_graph(nodes, "chain",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, None, width])],
-                              [helper.make_tensor_value_info(hidden, TensorProto.FLOAT, None)], weights)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-
-
-def _onnx_timer(chain: list[_ChainLayer], int8: bool, width: int, shape: tuple[int, int]) -> Callable[[], None]:
-    import onnx
-    import onnxruntime
-
-    example = _batch(width, shape)
-    with tempfile.TemporaryDirectory(prefix="comera-forms-") as folder:
-        file = Path(folder) / "chain.onnx"
-        onnx.save(_onnx_graph(chain, width), str(file))
-        if int8:
-            quantized = Path(folder) / "chain-int8.onnx"
-            quantize_int8(file, quantized, this_machine_arch(), prepare=False)
-            file = quantized
-        session = onnxruntime.InferenceSession(str(file), providers=["CPUExecutionProvider"])
-    return lambda: session.run(None, {"x": example})
-
-
-_TIMERS = {"openvino": _openvino_timer, "onnx": _onnx_timer}
