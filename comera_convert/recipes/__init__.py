@@ -70,7 +70,16 @@ def convert_options(recipe: str | Path | None, overrides: dict) -> ConvertReques
     return ConvertRequest.from_dict(data, origin=origin)
 
 
+# A run heads for one target: a --target-speedup given on top of a recipe replaces the recipe's target_ratio,
+# and a --target-ratio its target_speedup.
+TARGETS = ("target_ratio", "target_speedup")
+
+
 def train_options(recipe: str | Path | None, overrides: dict) -> TrainOptions:
-    """Training options from a recipe (if any) with the given non-None overrides on top."""
+    """Training options from a recipe (if any) with the given non-None overrides on top (a target given
+    replaces the recipe's other target: ``TARGETS``)."""
     data, origin = _merged(recipe, overrides)
+    given = [name for name in TARGETS if overrides.get(name) is not None]
+    if len(given) == 1:
+        data = {name: value for name, value in data.items() if name not in TARGETS or name in given}
     return TrainOptions.from_dict(data, origin=origin)

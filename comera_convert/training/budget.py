@@ -61,13 +61,16 @@ class ModuleBonds:
 
     ``physical[k]``: the product of core k's physical (non-rank) dimensions; ``open[k]``: the open
     entries of bond k (between cores k and k+1), weakest first; ``importance[k]``: their scores,
-    aligned with ``open[k]``; ``floors[k]``: the fewest entries bond k keeps (default 1).
+    aligned with ``open[k]``; ``floors[k]``: the fewest entries bond k keeps (default 1);
+    ``prices[k]``: what one entry of bond k costs in a budget counted in time (microseconds a batch,
+    measured: ``hf/gate_prices.py``), None where the budget counts parameters.
     """
 
     physical: list[int]
     open: list[list[int]]
     importance: list[list[float]]
     floors: list[int] | None = None
+    prices: list[float] | None = None
     closing: dict[int, list[int]] = field(default_factory=dict)
 
     def floor(self, bond: int) -> int:
@@ -77,9 +80,11 @@ class ModuleBonds:
         """Open count of bond ``bond``; the boundary ranks (-1 and len) are 1."""
         return len(self.open[bond]) if 0 <= bond < len(self.open) else 1
 
-    def freed_per_entry(self, bond: int) -> int:
-        """Stored entries freed by closing one entry of ``bond``: a slice of each neighbouring core,
-        and the gate's entry."""
+    def freed_per_entry(self, bond: int) -> float:
+        """What closing one entry of ``bond`` frees: its price where the budget counts time, else the stored
+        entries (a slice of each neighbouring core, and the gate's entry)."""
+        if self.prices is not None:
+            return self.prices[bond]
         return self.physical[bond] * self.rank(bond - 1) + self.physical[bond + 1] * self.rank(bond + 1) + 1
 
     def close_weakest(self, bond: int, count: int) -> None:
@@ -88,21 +93,23 @@ class ModuleBonds:
 
 
 def choose_closures(modules: list[ModuleBonds], excess: int, multiple: int = 1) -> int:
-    """Close entries (recorded in each module's ``closing``) until at least ``excess`` stored
-    entries are freed or every bond is at its floor; returns the entries freed.
+    """Close entries (recorded in each module's ``closing``) until at least ``excess`` is freed (stored
+    entries, or microseconds where the budget counts time) or every bond is at its floor; returns
+    what was freed.
 
-    Greedy on importance per parameter freed: each round closes the unit (one entry, or enough to
-    reach the next lower multiple) whose summed importance over the parameters it frees is least,
-    among the units that fit in what is left to free; when none fits, the smallest unit, so the
-    size lands as close under the budget as the units allow. A bond's cost depends on its
-    neighbours' ranks, so it is recomputed every round.
+    Greedy on importance per unit freed: each round closes the unit (one entry, or enough to reach
+    the next lower multiple) whose summed importance over what it frees is least, among the units
+    that fit in what is left to free; when none fits, the smallest unit, so the size lands as close
+    under the budget as the units allow. A bond's parameters depend on its neighbours' ranks, so
+    they are recomputed every round; a bond that frees nothing (no time, where time is counted) is
+    left open.
     """
     freed = 0
     while freed < excess:
         units = [(sum(module.importance[bond][:count]) / saving, saving, module, bond, count)
                  for module in modules for bond in range(len(module.open))
                  for count in [closable(len(module.open[bond]), multiple, module.floor(bond))] if count
-                 for saving in [count * module.freed_per_entry(bond)]]
+                 for saving in [count * module.freed_per_entry(bond)] if saving > 0]
         if not units:
             break  # every bond at its floor
         fitting = [unit for unit in units if unit[1] <= excess - freed]

@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from ..choices import (DISTILL_MODES, DISTILL_POOLED, DISTILL_STATES, LATE_OBJECTIVES, LR_SCHEDULERS, OBJECTIVES,
-                       REPROJECT_AT)
+                       REPROJECT_AT, SPEED_RUNTIMES)
 from ..errors import ConfigError, expected
 from ..option_files import from_mapping, option
 from .budget import SCHEDULE_SHARE
@@ -38,13 +38,15 @@ DISTILL_WARMUP = 50  # steps, at most a tenth of the run
 # than CoMERA's schedule at equal compute (docs/findings.md).
 TARGET_EARLY_SHARE = 0.05
 TARGET_DEFAULTS = dict(late_objective="task", budget_share=SCHEDULE_SHARE)
+DEFAULT_SPEED_RUNTIME = "openvino"  # where a --target-speedup is measured without --runtime: the fastest route here
 
 
 # The settings that shape the rank schedule: a checkpoint records them resolved, and --resume refuses a
 # command that resolves them otherwise (a default changed since, or a flag left off), which would
 # continue the run on a schedule it did not start on.
-SCHEDULE_FIELDS = ("target_ratio", "target_fraction", "early_steps", "budget_share", "late_objective",
-                   "last_block_floor", "reproject", "reproject_at", "cut_ranks", "rank_multiple", "tau")
+SCHEDULE_FIELDS = ("target_ratio", "target_speedup", "runtime", "target_fraction", "early_steps", "budget_share",
+                   "late_objective", "last_block_floor", "reproject", "reproject_at", "cut_ranks", "rank_multiple",
+                   "tau")
 
 
 # Settings that only a recipe holds (no flag of `comera train`): none now, every one is a flag.
@@ -101,7 +103,7 @@ class TrainOptions:
     Defaults are CoMERA's for pre-training (mlm, clm); options left ``None`` take the distillation recipe's
     measured settings when distilling. Out-of-range values raise ``ConfigError``."""
 
-    CONCERNS = ("run", "optimizer", "stages", "target ratio", "distillation", "hardware")
+    CONCERNS = ("run", "optimizer", "stages", "target ratio", "speed target", "distillation", "hardware")
     objective: str = option("auto", "run", "Task loss [default: auto].", choices=OBJECTIVES)
     # Natural English of several genres (the built-in corpus); python-stdlib for code models.
     data: str = option(
@@ -177,6 +179,18 @@ class TrainOptions:
         None, "target ratio",
         "Whole-model ratio to reach by the end: ranks close by importance over the late stage (scheduled "
         "in steps, or with --minutes in the time spent).", type=float)
+    # Late stage target speed: the model served in --runtime this many times as fast as its dense source served
+    # there in its fastest form on this machine (hf/gate_prices.py). One budget with --target-ratio's: its
+    # units are microseconds a batch instead of parameters, each gate entry priced by its measured time.
+    target_speedup: float | None = option(
+        None, "speed target",
+        "Speed to reach by the end, against the dense model served in --runtime in its fastest form on this "
+        "machine: ranks and neurons close by importance per microsecond they cost, measured here.", type=float,
+        metavar="S")
+    runtime: str | None = option(
+        None, "speed target",
+        "Where --target-speedup is measured: OpenVINO, ONNX Runtime or torch [default: openvino].",
+        choices=SPEED_RUNTIMES)
     target_fraction: float = option(
         0.2, "stages",
         "Without --target-ratio: the late stage's size target as this share of the TT size at the switch "
@@ -392,7 +406,7 @@ class TrainOptions:
             value = getattr(self, name)
             if not isinstance(value, bool) and not (name == "reproject" and value is None):
                 raise ConfigError(expected(f"{name} as true or false", value))
-        if self.reproject and (self.target_ratio is None or not self.cut_ranks):
+        if self.reproject and (not self.budgeted or not self.cut_ranks):
             raise ConfigError("--reproject orders the directions a --target-ratio budget closes, at the rank "
                               "cuts: it needs --target-ratio and the cuts (drop --no-cut-ranks)")
 
@@ -406,7 +420,7 @@ class TrainOptions:
         budget_only = [flag for flag, given in (("--budget-share", self.budget_share is not None),
                                                 ("--late-objective", self.late_objective is not None),
                                                 ("--last-block-floor", self.last_block_floor is not None)) if given]
-        if budget_only and self.target_ratio is None:
+        if budget_only and not self.budgeted:
             verb = "shape" if len(budget_only) > 1 else "shapes"
             raise ConfigError(f"{', '.join(budget_only)} {verb} the size budget of --target-ratio: add "
                               "--target-ratio (without it the late stage's min-max sets the size)")
@@ -423,16 +437,47 @@ class TrainOptions:
         if self.target_ratio is not None and (not isinstance(self.target_ratio, (int, float))
                                               or self.target_ratio <= 1):
             raise ConfigError(expected("a target ratio greater than 1", self.target_ratio))
+        self._check_speed_target()
         if self.early_steps is not None and not 0 <= self.early_steps <= self.steps:
             raise ConfigError(expected(f"early_steps between 0 and steps ({self.steps})", self.early_steps))
         early = self.early_steps if self.early_steps is not None else self.default_early_steps()
-        if self.target_ratio is not None and early >= self.steps:
-            raise ConfigError(f"--target-ratio needs a late stage to compress in: {self.steps} steps with "
+        if self.budgeted and early >= self.steps:
+            raise ConfigError(f"{self.target_flag} needs a late stage to compress in: {self.steps} steps with "
                               f"{early} early steps leave none (lower --early-steps or raise --steps)")
+
+    def _check_speed_target(self) -> None:
+        """--target-speedup: above 1, not with --target-ratio, and --runtime only with it."""
+        if self.target_speedup is not None and (not isinstance(self.target_speedup, (int, float))
+                                                or isinstance(self.target_speedup, bool) or self.target_speedup <= 1):
+            raise ConfigError(expected("a target speedup greater than 1 (the dense model's speed is 1)",
+                                       self.target_speedup))
+        if self.target_speedup is not None and self.target_ratio is not None:
+            raise ConfigError("--target-speedup and --target-ratio each set the late stage's budget: choose one "
+                              "(a speed to reach, or a size)")
+        if self.runtime is not None and self.runtime not in SPEED_RUNTIMES:
+            raise ConfigError(expected(f"a runtime in {SPEED_RUNTIMES}", self.runtime))
+        if self.runtime is not None and self.target_speedup is None:
+            raise ConfigError(f"--runtime {self.runtime} says where --target-speedup is measured: add --target-speedup")
+
+    @property
+    def budgeted(self) -> bool:
+        """Whether the late stage closes gates to a budget: a --target-ratio (parameters) or a --target-speedup
+        (microseconds)."""
+        return self.target_ratio is not None or self.target_speedup is not None
+
+    @property
+    def target_flag(self) -> str:
+        """The flag that set the budget, for messages."""
+        return "--target-speedup" if self.target_speedup is not None else "--target-ratio"
+
+    @property
+    def speed_runtime(self) -> str:
+        """Where a speed target is measured: --runtime, else OpenVINO."""
+        return self.runtime or DEFAULT_SPEED_RUNTIME
 
     def default_early_steps(self) -> int:
         """The early stage's steps where none are given (``plan_training`` gives them)."""
-        if self.target_ratio is not None:
+        if self.budgeted:
             return max(1, math.ceil(TARGET_EARLY_SHARE * self.steps))
         return max(1, (2 * self.steps) // 3)
 
@@ -440,7 +485,7 @@ class TrainOptions:
     def reprojects(self) -> bool:
         """Whether the pairs are re-projected: as set, or by default under a target ratio where the
         ranks are cut."""
-        return self.reproject if self.reproject is not None else self.target_ratio is not None and self.cut_ranks
+        return self.reproject if self.reproject is not None else self.budgeted and self.cut_ranks
 
     @property
     def varies_lengths(self) -> bool:

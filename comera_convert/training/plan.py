@@ -55,8 +55,8 @@ def plan_training(request: TrainOptions, objective: str, encoder: bool = False,
     defaults["distill_states"] = ("relative-mse", "relative squared error outside distillation")
     if objective == "distill":
         defaults.update(_distillation(request, encoder, layers_cut))
-    if request.target_ratio is not None:
-        defaults.update({name: (value, "under --target-ratio (measured to keep more)")
+    if request.budgeted:
+        defaults.update({name: (value, f"under {request.target_flag} (measured to keep more)")
                          for name, value in TARGET_DEFAULTS.items()})
     defaults["reproject"] = (request.reprojects, "on under --target-ratio where the ranks are cut"
                              if request.reprojects else "off without --target-ratio or rank cuts")
@@ -69,7 +69,7 @@ def plan_training(request: TrainOptions, objective: str, encoder: bool = False,
 
 
 def _early_steps(request: TrainOptions) -> tuple[int, str]:
-    if request.target_ratio is not None:
+    if request.budgeted:
         return request.default_early_steps(), f"{TARGET_EARLY_SHARE:g} of the run before the budget starts"
     return request.default_early_steps(), "two thirds of the run (CoMERA: 20 of 30 epochs)"
 
@@ -84,8 +84,8 @@ def _distillation(request: TrainOptions, encoder: bool, layers_cut: float | None
     states = default_distill_states(layers_cut)
     defaults["distill_states"] = (states, "by how hard the conversion cut the factorized layers" if layers_cut
                                   is not None else "no cut recorded")
-    if request.target_ratio is None:
+    if not request.budgeted:
         defaults["early_steps"] = (request.steps, "distillation without --target-ratio keeps the size")
     else:
-        defaults["beta"] = (PRETRAINING_DEFAULTS["beta"], "CoMERA's: a target ratio needs the size term")
+        defaults["beta"] = (PRETRAINING_DEFAULTS["beta"], "CoMERA's: a budget needs the size term")
     return defaults

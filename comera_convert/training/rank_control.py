@@ -34,6 +34,7 @@ from ..layers import TTModule
 from .budget import (FALLBACK_KEPT_SHARES, MIN_KEPT_SHARE, ModuleBonds, bond_floor, choose_closures)
 from .neuron_gates import NeuronBond, attach_neuron_gates, neuron_bonds
 from .opening import dense_block_linears, open_dense_layers
+from .speed_goal import SpeedGoal
 from .stages import EARLY, LATE, RankState, StageSchedule
 
 logger = logging.getLogger("comera_convert.training")
@@ -42,6 +43,9 @@ logger = logging.getLogger("comera_convert.training")
 IMPORTANCE_DECAY = 0.85
 # A run reaches its target ratio when the model holds at most this much more than dense / target.
 TARGET_TOLERANCE = 0.02
+# The most of a model's measured time its gates' prices may add up to: attention's products, norms and the
+# embedding take the rest, and no gate closes them.
+GATED_SHARE_CAP = 0.9
 
 
 def gated_tt_layers(model: nn.Module) -> list[tuple[str, TTModule]]:
@@ -117,8 +121,12 @@ class RankController:
         self.modules = gated_modules(model)
         # Dense linears of the blocks made gated pairs because the target ratio lay beyond the gates (opening.py).
         self.opened: list[str] = []
+        # With --target-speedup the budget counts time: what one open entry of each bond costs (microseconds a
+        # batch, ``head_for_speed``), and the cost the late stage heads for; None counts parameters.
+        self.prices: list[list[float]] | None = None
+        self.speed: SpeedGoal | None = None
         if options.target_ratio is not None and not self.reachable(options.target_ratio):
-            self.open_to_gates(options.target_ratio)
+            self.open_to_gates(f"target ratio {options.target_ratio:g}")
         if not self.modules:
             remedy = ("give --target-ratio (the dense layers of its blocks then open to the gates)"
                       if options.target_ratio is None else
@@ -157,6 +165,16 @@ class RankController:
         """S: entries the TT cores keep at the open ranks."""
         return sum(module_size(m) for _, m in self.modules)
 
+    def cost(self, bond_floors: list[list[int]] | None = None) -> int:
+        """What the budget counts: the size S, or with a speed target the gates' time (each bond's open
+        entries, or as many as ``bond_floors`` keep, times its price), in whole microseconds a batch."""
+        if self.prices is None:
+            return self.size()
+        floors = bond_floors or [[None] * len(p) for p in self.prices]
+        return round(sum(price * (rank if floor is None else min(floor, rank))
+                         for (_, module), prices, bonds in zip(self.modules, self.prices, floors)
+                         for rank, price, floor in zip(module.ranks, prices, bonds)))
+
     def model_params(self) -> int:
         """The whole model's parameter count once closed ranks are truncated away."""
         total = count_params(self.model)  # a codebook table's codes included
@@ -170,13 +188,16 @@ class RankController:
 
     def measurements(self) -> dict:
         """Size, ratio and stage now, for the history (each counted once); with a target ratio, also
-        the target ratio and the ratio the step's budget allows."""
+        the target ratio and the ratio the step's budget allows; with a speed target, the speed the prices
+        estimate and --target-speedup."""
         size, params = self.size(), self.model_params()
         record = {"size": size, "ratio": self.dense_params / max(params, 1), "stage": self.state.stage}
         if self.options.target_ratio is not None:
             record["target_ratio"] = self.options.target_ratio
             if self.state.budget is not None:
                 record["budget_ratio"] = self.dense_params / max(params - size + self.state.budget, 1)
+        if self.speed is not None:
+            record.update(target_speedup=self.options.target_speedup, speedup=self.speed.estimate(self.cost()))
         return record
 
     def floors_at(self, share: float) -> list[list[int]]:
@@ -221,7 +242,7 @@ class RankController:
         more of fewer layers keeps less than spreading the cut over the layers the conversion left dense)."""
         return bool(self.modules) and self.ceiling(self.floors_at(MIN_KEPT_SHARE)) >= target_ratio
 
-    def open_to_gates(self, target_ratio: float) -> None:
+    def open_to_gates(self, target: str) -> None:
         """Make the dense linears of the blocks gated full-rank pairs (``opening.py``), so that the
         budget can shrink them too; an integer checkpoint's grid is left as it is (nothing opens)."""
         names = dense_block_linears(self.model)
@@ -229,9 +250,55 @@ class RankController:
             return
         added = open_dense_layers(self.model, names)
         self.modules, self.opened = gated_modules(self.model), names
-        logger.info("target ratio %g lies beyond the gates: %d dense layers of the blocks open to them as exact "
+        logger.info("%s lies beyond the gates: %d dense layers of the blocks open to them as exact "
                     "full-rank pairs (+%.2f M parameters until the budget closes their directions; the model "
-                    "starts at %.2fx)", target_ratio, len(names), added / 1e6, self.ratio())
+                    "starts at %.2fx)", target, len(names), added / 1e6, self.ratio())
+
+    # -- a speed target (--target-speedup) -------------------------------------------------------------
+    def head_for_speed(self, goal: "SpeedGoal", price) -> None:
+        """Count the budget in time: ``price(modules)`` gives each bond's price (microseconds a batch an open
+        entry costs, ``hf/gate_prices.py``); the late stage heads for the cost at which the model runs
+        ``goal``'s target speed. Dense layers of the blocks open to the gates where the gates' floors (a
+        quarter of each rank) would not reach it; lower floors are tried as --target-ratio tries them.
+        Refuses a target at or below the model's speed now, or beyond what every floor allows."""
+        self.prices, self.speed = self._within(price(self.modules), goal), goal
+        goal.start_cost = self.cost()
+        if goal.estimate(self.cost(self.floors_at(MIN_KEPT_SHARE))) < self.target_speedup:
+            self.open_to_gates(f"target speedup {self.target_speedup:g}")
+            self.prices = self._within(price(self.modules), goal)
+            self.importance = [[torch.zeros(len(g)) for g in m.gates] for _, m in self.modules]
+            self.sync_open()
+            goal.start_cost = self.cost()  # the opened layers compute what they did: the same time
+        now = goal.estimate(goal.start_cost)
+        if self.target_speedup <= now * (1 + 1e-3):
+            raise ConfigError(f"target speedup {self.target_speedup:g} is not above the model's speed now, "
+                              f"{now:.2f}x the dense model's in {goal.runtime}: training only compresses further "
+                              "(ask for more, or leave out --target-speedup)")
+        for share in (MIN_KEPT_SHARE, *FALLBACK_KEPT_SHARES):
+            self.kept_share, self.floors = share, self.floors_at(share)
+            if goal.estimate(self.cost(self.floors)) >= self.target_speedup:
+                return
+        fastest = goal.estimate(self.cost(self.floors))
+        raise ConfigError(f"target speedup {self.target_speedup:g} is beyond what the smallest ranks allow in "
+                          f"{goal.runtime}: about {fastest:.2f}x with every bond at rank 1 and every pruned pair at "
+                          f"one neuron (the rest of the model, attention and norms, does not shrink); ask for at "
+                          f"most {fastest:.2f}")
+
+    def _within(self, prices: list[list[float]], goal: "SpeedGoal") -> list[list[float]]:
+        """``prices`` scaled down where they add up to more than ``GATED_SHARE_CAP`` of the model's measured
+        time (a chain of one layer runs slower than the same layer amid a whole graph): the gates cannot
+        cost more than the model they are part of."""
+        self.prices = prices
+        gated, cap = self.cost(), GATED_SHARE_CAP * goal.model_microseconds
+        if gated <= cap:
+            return prices
+        logger.info("the gates' prices add up to %.0f of the model's %.0f microseconds a batch: scaled to %.0f",
+                    gated, goal.model_microseconds, cap)
+        return [[price * cap / gated for price in bonds] for bonds in prices]
+
+    @property
+    def target_speedup(self) -> float:
+        return self.options.target_speedup
 
     def check_target(self, target_ratio: float) -> None:
         """Refuse a target the run cannot head for: at or below the current ratio, or beyond the floors."""
@@ -284,7 +351,7 @@ class RankController:
         near-zero importance, so it goes first), and the size lands on the target ratio, not below it.
         """
         closed = 0
-        by_tau = self.options.target_ratio is None
+        by_tau = not self.options.budgeted
         for (_, module), masks in zip(self.modules, self.open):
             for i, gate in enumerate(module.gates):
                 mask = masks[i] = masks[i].to(gate.device)  # the model may have moved (Trainer, .cuda())
@@ -333,11 +400,12 @@ class RankController:
         budget = self.state.budget = self.schedule.budget_at(step)
         if budget is None:
             return 0
-        excess = self.size() - budget
+        excess = self.cost() - budget
         if excess <= 0:
             return 0
-        plan = [self._bonds(module, scores, floors)
-                for (_, module), scores, floors in zip(self.modules, self.importance, self.floors)]
+        prices = self.prices or [None] * len(self.modules)
+        plan = [self._bonds(module, scores, floors, bond_prices)
+                for (_, module), scores, floors, bond_prices in zip(self.modules, self.importance, self.floors, prices)]
         choose_closures(plan, excess, self.options.rank_multiple)
         closed = 0
         for (_, module), masks, bonds in zip(self.modules, self.open, plan):
@@ -348,7 +416,8 @@ class RankController:
                 _close_masked(module, masks)
         return closed
 
-    def _bonds(self, module: TTModule, scores: list[torch.Tensor], floors: list[int]) -> ModuleBonds:
+    def _bonds(self, module: TTModule, scores: list[torch.Tensor], floors: list[int],
+               prices: list[float] | None = None) -> ModuleBonds:
         opened, importance = [], []
         for gate, score in zip(module.gates, scores):
             indices = (gate.detach() != 0).cpu().nonzero().flatten()
@@ -356,15 +425,24 @@ class RankController:
             weakest_first = values.argsort(stable=True)
             opened.append(indices[weakest_first].tolist())
             importance.append(values[weakest_first].tolist())
-        return ModuleBonds(physical_sizes(module), opened, importance, floors)
+        return ModuleBonds(physical_sizes(module), opened, importance, floors, prices)
 
     def shortfall(self, step: int) -> str | None:
-        """One line saying why, when a target ratio is given and the model is not within
-        tolerance of it; None when it is."""
+        """One line saying why, when a target ratio (or speed) is given and the model is not within
+        tolerance of it (a speed by the prices' estimate: the run measures the one reached); None when it is."""
+        if self.speed is not None:
+            target_cost = self.state.target_size
+            if target_cost is not None and self.cost() <= target_cost * (1 + TARGET_TOLERANCE) + 1:
+                return None
+            reached = (f"target speedup {self.target_speedup:g}x missed: the prices put the model at "
+                       f"{self.speed.estimate(self.cost()):.2f}x")
+            return self._why_short(step, reached, "--target-speedup")
         target = self.options.target_ratio
         if target is None or self.model_params() <= self.dense_params / target * (1 + TARGET_TOLERANCE):
             return None
-        reached = f"target ratio {target:g}x missed: reached {self.ratio():.2f}x"
+        return self._why_short(step, f"target ratio {target:g}x missed: reached {self.ratio():.2f}x", "--target-ratio")
+
+    def _why_short(self, step: int, reached: str, flag: str) -> str:
         if self.state.stage != LATE:
             return f"{reached}, the run ended in the early stage (step {step}): lower --early-steps"
         schedule = self.schedule
@@ -376,14 +454,18 @@ class RankController:
             return (f"{reached}, the run stopped at step {step} before its budget schedule's end "
                     f"(step {schedule.schedule_end()}): resume it (--resume) or train longer")
         return (f"{reached}: every bond is at its floor ({self.floor_description()}); a lower "
-                "--target-ratio or --rank-multiple, or a conversion at a higher --ratio, would reach it")
+                f"{flag} or --rank-multiple, or a conversion at a higher --ratio, would reach it")
 
     def switch(self, step: int) -> None:
         """Enter the late stage: fix the switch's point (L0, S0)."""
         size = self.size()
         self.state.stage, self.state.switch_step, self.state.size_at_switch = LATE, step, size
         self.state.switch_progress = self.schedule.run_progress(step)
-        if self.options.target_ratio is not None:
+        if self.speed is not None:
+            # The gates must shed what the model runs over --target-speedup's time: its cost now less that excess.
+            self.state.size_at_switch = size = self.cost()
+            self.state.target_size = max(1, size - round(self.speed.excess_microseconds(size)))
+        elif self.options.target_ratio is not None:
             # The whole model must hold dense_params / target_ratio: the TT part gets what the rest
             # leaves (the gates counted at the current ranks, so the size lands on the target ratio, never past it).
             rest = self.model_params() - size
@@ -397,11 +479,11 @@ class RankController:
         """The loss to minimize this step, by stage."""
         beta = self.options.beta
         surrogate = self.surrogate()
-        budgeted = self.options.target_ratio is not None and self.options.late_objective == "task"
+        budgeted = self.options.budgeted and self.options.late_objective == "task"
         if self.state.stage == EARLY or budgeted:
             return task_loss + beta * surrogate
         loss_value = float(task_loss.detach())
-        size = self.size()
+        size = self.cost()
         target_size = self.state.budget if self.state.budget is not None else self.state.target_size
         loss_gap = (loss_value - self.state.target_loss) / max(abs(loss_value), 1e-12)
         size_gap = (size - target_size) / max(size, 1)

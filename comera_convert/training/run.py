@@ -24,6 +24,7 @@ from ..conversion.storage import train_on_the_grid
 from ..errors import ComeraError, ConfigError, ModelLoadError
 from ..hf.compat import check_resume_support
 from ..hf.config import compression_of, integer_format_of
+from ..hf.gate_prices import serving_speed
 from ..hf.files import write_text_atomic
 from ..hf.loading import from_pretrained
 from ..hf.saving import check_output_dir, save_compressed, shard_kwargs
@@ -40,6 +41,7 @@ from .plan import TrainPlan, plan_training
 from .plot import plot_history
 from .rank_control import RankController
 from .rank_cuts import step_times
+from .speed_target import head_for_speed, speed_shortfall
 from .trainer import STATE_FILE, ComeraTrainer, load_truncated_checkpoint, truncated_copy
 
 logger = logging.getLogger("comera_convert.training")
@@ -91,6 +93,11 @@ class TrainResult:
     rank_cuts: list[dict] = field(default_factory=list)
     # Dense linears of the blocks opened to the gates for the target ratio (opening.py), by name.
     opened_layers: list[str] = field(default_factory=list)
+    # --target-speedup: the speed against the dense model in the runtime, measured as the run started and on
+    # the trained model (hf/gate_prices.ServingSpeed.to_dict()).
+    target_speedup: float | None = None
+    speed_before: dict | None = None
+    speed_after: dict | None = None
 
     def to_dict(self) -> dict:
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "report"}
@@ -279,6 +286,7 @@ class Session:
     teacher: torch.nn.Module | None
     controller: RankController
     encoder: bool  # distilling a sentence encoder: held-out embedding cosines too
+    source: str | None = None  # the dense model the checkpoint records it was converted from
 
 
 def recorded_layers_cut(path, target_ratio: float | None = None) -> float | None:
@@ -319,7 +327,7 @@ def open_session(model_name: str, options: TrainOptions) -> Session:
         require_same_depth(model, teacher)
     dense_params = quantization.get("dense_params") or sum(p.numel() for p in model.parameters())
     return Session(path, objective, note, options, model, tokenizer, teacher,
-                   RankController(model, options, dense_params), encoder)
+                   RankController(model, options, dense_params), encoder, quantization.get("source"))
 
 
 def _resolved_options(path: str, config: dict, quantization: dict, options: TrainOptions):
@@ -413,6 +421,7 @@ def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, 
         check_output_dir(out, overwrite)
     session = open_session(model_name, options)
     options = session.options
+    speed = head_for_speed(session) if options.target_speedup is not None else None
     ratio_before = session.controller.ratio()
     drawn = options.steps * options.batch_size * options.gradient_accumulation_steps
     blocks = pack(options.data, session.tokenizer, options.seq_len, drawn * READ_AHEAD, options.max_eval_blocks,
@@ -440,11 +449,28 @@ def train(model_name: str, options: TrainOptions, out, *, resume: bool = False, 
     after = held_out.measure()
     result = _result(out, session, trainer.state.global_step, ratio_before, before, after, len(held_out.pairs))
     result.rank_cuts = step_times(trainer.history, session.controller.state.cuts)
+    if speed is not None:
+        _measure_speed(result, session, speed)
     for warning in (result.shortfall, result.regression):
         if warning:
             logger.warning(warning)
     _write(result, trainer, session, sharding, out, held_out.targets is not None, command, max_shard_size)
     return result
+
+
+def _measure_speed(result: TrainResult, session: Session, speed) -> None:
+    """The trained model, truncated to its open ranks as it is written, timed against the dense model in the
+    runtime; a speed short of --target-speedup is the run's shortfall."""
+    goal, start, dense = speed
+    truncated, _ = truncated_copy(session.model, fold=True)
+    fold_oversized(truncated, list(session.controller.opened))
+    with torch.no_grad():
+        reached = serving_speed(truncated.cpu().eval(), dense.cpu(), session.tokenizer, goal.runtime)
+    result.target_speedup, result.speed_before, result.speed_after = (goal.target_speedup, start.to_dict(),
+                                                                      reached.to_dict())
+    result.shortfall = speed_shortfall(reached, goal.target_speedup) or result.shortfall
+    logger.info("measured in %s: %.2fx the dense model's speed (target %gx), ratio %.2fx", goal.runtime,
+                reached.speedup, goal.target_speedup, result.ratio_after)
 
 
 def _write(result: TrainResult, trainer, session: Session, sharding, out: Path, distilled: bool, command,
@@ -567,6 +593,10 @@ def _record(result: TrainResult, options: TrainPlan, cosines: bool) -> dict:
               "held_out_loss_before": result.held_out_before, "held_out_loss_after": result.held_out_after}
     if options.target_ratio is not None:
         record.update(target_ratio=options.target_ratio, ratio_reached=result.ratio_after,
+                      target_reached=result.shortfall is None)
+    if result.target_speedup is not None:
+        record.update(target_speedup=result.target_speedup, speed_before=result.speed_before,
+                      speed_reached=result.speed_after, ratio_reached=result.ratio_after,
                       target_reached=result.shortfall is None)
     if result.regression_flag:
         record[result.regression_flag] = True

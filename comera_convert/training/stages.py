@@ -75,19 +75,21 @@ class StageSchedule:
         """With --minutes and a target: one line when, at the pace of the steps so far, the time left
         holds fewer than ``MIN_LATE_STEPS`` steps for the late stage (to compress from ``ratio``); None
         otherwise."""
-        if not self.timed() or self.options.target_ratio is None or step < 1:
+        if not self.timed() or not self.options.budgeted or step < 1:
             return None
         per_step = self.clock.elapsed() / step
         left = (self.clock.budget - self.clock.elapsed()) / max(per_step, 1e-9)
         if left >= MIN_LATE_STEPS:
             return None
+        towards, missed = ((f"from {ratio:.2f}x to {self.options.target_ratio:g}x", "the target ratio")
+                           if self.options.target_ratio is not None else
+                           (f"towards {self.options.target_speedup:g}x the dense model's speed", "that speed"))
         return (f"--minutes {self.options.minutes:g} leaves about {left:.0f} steps for the late stage to compress "
-                f"from {ratio:.2f}x to {self.options.target_ratio:g}x (at {per_step:.2f} s a step): "
-                f"the target ratio "
-                "may be missed; give more --minutes or fewer --early-steps")
+                f"{towards} (at {per_step:.2f} s a step): {missed} may be missed; give more --minutes or "
+                "fewer --early-steps")
 
     def budget_at(self, step: int) -> int | None:
-        if self.state.stage != LATE or self.options.target_ratio is None:
+        if self.state.stage != LATE or not self.options.budgeted:
             return None
         return scheduled_size(self.state.size_at_switch, self.state.target_size, self.schedule_progress(step))
 
@@ -96,7 +98,7 @@ class StageSchedule:
         the budget schedule); None in the early stage."""
         if self.state.stage != LATE:
             return None
-        if self.options.target_ratio is not None:
+        if self.options.budgeted:
             return self.schedule_progress(step)
         if self.timed():
             start = self.state.switch_progress or 0.0
