@@ -1,8 +1,11 @@
 """Query/document pairs of two domains the project never reads, from what a Debian machine carries,
-for `comera eval --pairs` and `benchmarks/quality.py` (BENCHMARKS.md, How to read the figures):
+for `comera eval --pairs`, `comera bench --pairs` and `benchmarks/quality.py` (BENCHMARKS.md, How to read
+the figures), and the package's own held-out english pairs as a file beside them:
 
-  man.jsonl     a man page's one-line summary (NAME) against the first paragraph of its DESCRIPTION
-  debian.jsonl  an installed Debian package's short description against its long one
+  man.jsonl      a man page's one-line summary (NAME) against the first paragraph of its DESCRIPTION
+  debian.jsonl   an installed Debian package's short description against its long one
+  english.jsonl  a held-out passage of the built-in english corpus: its first sentence against the rest
+                 (the pairs `comera eval` scores english by)
 
     python tools/build_heldout_pairs.py OUT_DIR [--count 1000]
 
@@ -104,6 +107,13 @@ def debian_pairs(status: Path = Path("/var/lib/dpkg/status")) -> list[tuple[str,
     return pairs
 
 
+def english_pairs(count: int) -> list[tuple[str, str]]:
+    """The built-in english corpus's held-out pairs, as `comera eval` draws them."""
+    from comera_convert.retrieval import held_out_pairs
+
+    return held_out_pairs("english", count)
+
+
 def distinct(pairs: list[tuple[str, str]], count: int) -> list[tuple[str, str]]:
     """Up to ``count`` pairs spread evenly over ``pairs`` (not its first ones: name order would
     favour a few prefixes), each query and each document once."""
@@ -123,7 +133,7 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=1000)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    for name, pairs in (("man", man_pairs()), ("debian", debian_pairs())):
+    for name, pairs in (("man", man_pairs()), ("debian", debian_pairs()), ("english", english_pairs(args.count))):
         chosen = distinct(pairs, args.count)
         with open(args.out / f"{name}.jsonl", "w", encoding="utf-8") as f:
             for query, document in chosen:
