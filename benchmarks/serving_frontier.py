@@ -35,7 +35,7 @@ PEER_FILES = ("onnx/model_qint8_*.onnx", "openvino/openvino_model_qint8_quantize
 # The columns a frontier reads: what each method is, its speed against dense and the fastest route with no
 # comera, and the share kept on each domain and the worst.
 COLUMNS = ("method", "checkpoint", "sentences_per_s", "speed_vs_dense", "speed_vs_peer", "worst_kept",
-           "kept_english", "kept_man", "kept_debian", "file_mb")
+           "kept_english", "kept_man", "kept_debian", "file_mb", "forms")
 
 
 def pair_files(work: Path) -> list[Path]:

@@ -214,6 +214,10 @@ def test_bench_serving_adds_onnx_runtime_float_and_int8_for_both_models(tmp_path
     assert all(row["case"] == "serving" and row["sentences_per_s"] > 0 for row in rows.values())
     assert rows["comera, ONNX Runtime int8"]["file_mb"] < rows["comera, ONNX Runtime"]["file_mb"]
     assert "file_mb" not in rows["dense"]
+    # each compressed graph says the forms its layers serve in (--forms pair: two int8 products per pair)
+    assert rows["comera, ONNX Runtime int8"]["forms"].startswith("pair/int8 x")
+    assert rows["comera, ONNX Runtime"]["forms"].startswith("pair/float x")
+    assert "forms" not in rows["dense, ONNX Runtime"]
 
 
 def test_bench_serving_times_a_graph_made_elsewhere_beside_its_own(tmp_path):

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..hf.onnx_export import write_graphs
 from ..hf.onnx_int8 import require_onnxruntime, this_machine_arch
-from .openvino_serving import OpenVinoEncoder
+from .openvino_serving import OpenVinoEncoder, with_forms
 
 DENSE_ONNX, DENSE_ONNX_INT8 = "dense, ONNX Runtime", "dense, ONNX Runtime int8 (sentence-transformers' quantization)"
 OURS_ONNX, OURS_ONNX_INT8 = "comera, ONNX Runtime", "comera, ONNX Runtime int8"
@@ -58,9 +58,9 @@ def onnx_methods(model: nn.Module, names: tuple[str, str], tokenizer, progress,
     arch = this_machine_arch()
     progress(f"exporting {names[0]} to ONNX, float32 and int8 for {arch}")
     with tempfile.TemporaryDirectory(prefix="comera-serving-") as folder:
-        graphs = write_graphs(model, tokenizer, Path(folder), quantize="int8", arch=arch, prepare=forms is not None,
-                              forms=forms or "pair").graphs
-        return dict(zip(names, map(OnnxEncoder, graphs)))
+        result = write_graphs(model, tokenizer, Path(folder), quantize="int8", arch=arch, prepare=forms is not None,
+                              forms=forms or "pair")
+        return with_forms(dict(zip(names, map(OnnxEncoder, result.graphs))), result, forms)
 
 
 def peer_methods(files) -> dict[str, nn.Module]:

@@ -50,5 +50,18 @@ def openvino_methods(model: nn.Module, names: tuple[str, str], tokenizer, progre
     require_openvino("comera bench serving's OpenVINO rows")
     progress(f"exporting {names[0]} to OpenVINO, float and int8")
     with tempfile.TemporaryDirectory(prefix="comera-serving-") as folder:
-        graphs = write_openvino_graphs(model, tokenizer, Path(folder), quantize="int8", forms=forms or "pair").graphs
-        return dict(zip(names, map(OpenVinoEncoder, graphs)))
+        result = write_openvino_graphs(model, tokenizer, Path(folder), quantize="int8", forms=forms or "pair")
+        return with_forms(dict(zip(names, map(OpenVinoEncoder, result.graphs))), result, forms)
+
+
+def with_forms(methods: dict, result, forms: str | None) -> dict:
+    """``methods`` (each a graph of ``result``), each told the serving forms its graph was written in, where
+    they were chosen for a compressed model (``serving_forms.json``'s plans, summed up by choice)."""
+    if forms is not None:
+        for method, graph in zip(methods.values(), result.graphs):
+            groups = result.forms["graphs"][graph.name]["groups"]
+            chosen = {}
+            for group in groups:
+                chosen[group["chosen"]] = chosen.get(group["chosen"], 0) + len(group["layers"])
+            method.forms = ", ".join(f"{choice} x{count}" for choice, count in chosen.items())
+    return methods

@@ -224,6 +224,7 @@ def _row(name: str, model, case: str, shape: str, per_second: float, against: di
     row = {"case": case, "method": name, "device": "cpu", "dtype": "int8" if "int8" in name else "float32",
            "shape": shape, **({"checkpoint": checkpoint} if checkpoint else {}),
            **({"file_mb": megabytes} if (megabytes := graph_megabytes(model)) else {}),
+           **({"forms": model.forms} if getattr(model, "forms", None) else {}),
            "sentences_per_s": round(per_second, 1), "speed_vs_dense": round(against["dense"][name][0], 2),
            "speed_vs_dense_error": round(against["dense"][name][1], 3),
            "recall_kept": {domain: round(share["recall_kept"], 3) for domain, share in kept_by_domain.items()},
