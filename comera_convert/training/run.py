@@ -463,6 +463,10 @@ def _measure_speed(result: TrainResult, session: Session, speed) -> None:
     runtime; a speed short of --target-speedup is the run's shortfall."""
     goal, start, dense = speed
     truncated, _ = truncated_copy(session.model, fold=True)
+    # The class's own forward: for bf16 training Trainer's accelerate set an instance forward in autocast (its
+    # ``_original_forward`` kept beside it), and the graphs are checked against the float32 model.
+    for wrapped in ("forward", "_original_forward"):
+        truncated.__dict__.pop(wrapped, None)
     fold_oversized(truncated, list(session.controller.opened))
     with torch.no_grad():
         reached = serving_speed(truncated.cpu().eval(), dense.cpu(), session.tokenizer, goal.runtime)
