@@ -56,15 +56,17 @@ def peer_graphs(model: str, work: Path) -> list[Path]:
     return found
 
 
-def checkpoints(model: str, ratios: list[str], recipe: str | None, minutes: float, work: Path) -> list[Path]:
-    """Each ratio's conversion (and its recovery by ``recipe``), made once in ``work``."""
+def checkpoints(model: str, ratios: list[str], recipe: str | None, minutes: float, work: Path,
+                recover: list[str] | None = None) -> list[Path]:
+    """Each ratio's conversion (and, for those of ``recover``, or all, its recovery by ``recipe``), made once in
+    ``work``."""
     made = []
     for ratio in ratios:
         out = work / f"ratio-{ratio}"
         if not (out / "config.json").is_file():
             convert(model, f"--ratio {ratio}", out)
         made.append(out)
-        if recipe:
+        if recipe and (not recover or ratio in recover):
             trained = work / f"ratio-{ratio}-{slug('--recipe ' + recipe)}-{minutes:g}min"
             if not (trained / "config.json").is_file():
                 train(out, recipe, minutes, trained)
@@ -92,6 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ratio", action="append", required=True, help="a --ratio to convert at; repeatable")
     parser.add_argument("--recipe", default=None, help="also recover each checkpoint with this training recipe")
     parser.add_argument("--minutes", type=float, default=30.0, help="training minutes of each recovery")
+    parser.add_argument("--recover", action="append", default=None, metavar="RATIO",
+                        help="recover only the conversion at this ratio (repeatable) [default: every one]")
     parser.add_argument("--run", action="append", default=[],
                         help="'R => TRAIN OPTIONS': also a checkpoint converted at R and trained so; repeatable")
     parser.add_argument("--name", required=True, help="the record's name: benchmarks/results/NAME.json")
@@ -106,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
 
     args.work.mkdir(parents=True, exist_ok=True)
     pairs, peers = pair_files(args.work), peer_graphs(args.model, args.work)
-    made = checkpoints(args.model, args.ratio, args.recipe, args.minutes, args.work)
+    made = checkpoints(args.model, args.ratio, args.recipe, args.minutes, args.work, args.recover)
     made += trained_runs(args.model, args.run, args.work)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
@@ -119,7 +123,8 @@ def main(argv: list[str] | None = None) -> None:
     keys = [key for key in COLUMNS if any(key in row for row in rows)]
     rows = [{key: row.get(key) for key in keys} for row in rows]
     shape = result["rows"][0]["shape"]
-    recovered = f", each also after {args.minutes:g} minutes of `{args.recipe}`" if args.recipe else ""
+    which = f"--ratio {', '.join(args.recover)}" if args.recover else "each"
+    recovered = f", {which} also after {args.minutes:g} minutes of `{args.recipe}`" if args.recipe else ""
     title = args.title or (f"{args.model} at --ratio {', '.join(args.ratio)}{recovered}: speed against the fastest "
                            f"route with no comera, and the share of dense recall@1 kept")
     record = records.new_record(
