@@ -174,3 +174,28 @@ def test_a_speed_short_of_the_target_is_the_runs_shortfall():
         "target speedup 1.5x missed: the exported model runs 1.30x the dense model in openvino (measured; the "
         "prices steer the budget, the graph decides): a lower --target-speedup, or more --minutes, reaches it")
     assert speed_target.speed_shortfall(ServingSpeed("openvino", 1.44, 0.02, "int8", 1, "int8", 1), 1.5) is None
+
+
+def test_comera_train_and_report_state_the_speed_reached_beside_the_ratio(tmp_path, tokenizer, corpus, monkeypatch):
+    from click.testing import CliRunner
+
+    from comera_convert.cli import main
+
+    path = compressed(tmp_path, tokenizer, rank=24)
+    speeds = iter([1.2, 1.46])
+
+    def measured(model, dense, tokenizer, runtime, rounds=5):
+        speedup = next(speeds)
+        return ServingSpeed(runtime, speedup, 0.02, "int8", 300.0, "int8", 300.0 / speedup)
+
+    monkeypatch.setattr(speed_target, "serving_speed", measured)
+    monkeypatch.setattr(training_run, "serving_speed", measured)
+    monkeypatch.setattr(speed_target, "entry_prices", lambda keys, runtime: {key: 1.0 for key in keys})
+    result = CliRunner().invoke(main, ["train", str(path), "--objective", "mlm", "--data", str(corpus), "--steps",
+                                       "16", "--seq-len", "32", "--batch-size", "4", "--target-speedup", "1.5",
+                                       "--runtime", "torch", "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert ("speed against the dense model in torch (its fastest form: int8), measured: 1.20x -> 1.46x ± 0.02 "
+            "(target 1.5x, reached)") in " ".join(result.output.split())
+    report = CliRunner().invoke(main, ["report", str(tmp_path / "out")])
+    assert "target speedup 1.5x in torch reached (1.46x measured, ratio" in " ".join(report.output.split())

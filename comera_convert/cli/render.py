@@ -126,10 +126,15 @@ def _training_text(training: dict) -> str:
     text = (f"{training.get('objective', '?')}, {training.get('steps', '?')} steps, held-out loss "
             f"{training.get('held_out_loss_before', float('nan')):.4f} -> "
             f"{training.get('held_out_loss_after', float('nan')):.4f}")
+    outcome = "reached" if training.get("target_reached") else "missed"
     if training.get("target_ratio") is not None:
-        outcome = "reached" if training.get("target_reached") else "missed"
         text += (f"; target ratio {training['target_ratio']:g}x {outcome} "
                  f"({training.get('ratio_reached', float('nan')):.2f}x)")
+    if training.get("target_speedup") is not None:
+        reached = training.get("speed_reached") or {}
+        text += (f"; target speedup {training['target_speedup']:g}x in {reached.get('runtime', '?')} {outcome} "
+                 f"({reached.get('speedup', float('nan')):.2f}x measured, ratio "
+                 f"{training.get('ratio_reached', float('nan')):.2f}x)")
     return text
 
 

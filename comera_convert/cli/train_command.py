@@ -102,6 +102,11 @@ def train(model, recipe, out, resume, overwrite, as_json, max_shard_size, **give
     printer.print(f"objective {result.objective}, {result.steps} steps: held-out loss "
                   f"{result.held_out_before:.4f} -> {result.held_out_after:.4f}; ratio "
                   f"{result.ratio_before:.2f}x -> {result.ratio_after:.2f}x{target}")
+    if result.speed_after is not None:
+        before, after = result.speed_before, result.speed_after
+        printer.print(f"speed against the dense model in {after['runtime']} (its fastest form: {after['dense_form']}), "
+                      f"measured: {before['speedup']:.2f}x -> {after['speedup']:.2f}x ± {after['speedup_error']:.2f} "
+                      f"(target {result.target_speedup:g}x, {'missed' if result.shortfall else 'reached'})")
     for cut in result.rank_cuts:
         printer.print(f"step {cut['step']}: closed ranks cut out, {cut['params_before'] / 1e6:.2f} M -> "
                       f"{cut['params_after'] / 1e6:.2f} M parameters stored; {seconds_per_step(cut)}")
