@@ -155,6 +155,7 @@ def test_a_training_run_measures_the_speed_it_reached_and_records_it(tmp_path, t
     monkeypatch.setattr(speed_target, "serving_speed", measured)
     monkeypatch.setattr(training_run, "serving_speed", measured)
     monkeypatch.setattr(speed_target, "entry_prices", lambda keys, runtime: {key: 1.0 for key in keys})
+    monkeypatch.setattr(speed_target, "fastest_forms", _saving_half_the_prices)
     options = TrainOptions(objective="mlm", data=str(corpus), **{**FAST, "steps": 16, "lr_gates": 1e-3},
                            target_speedup=1.5, runtime="torch")
     result = training_run.train(str(path), options, tmp_path / "out")
@@ -166,6 +167,36 @@ def test_a_training_run_measures_the_speed_it_reached_and_records_it(tmp_path, t
     assert training["ratio_reached"] == result.ratio_after > result.ratio_before
     history = json.loads((tmp_path / "out" / "comera_history.json").read_text())
     assert history[-1]["target_speedup"] == 1.5 and history[-1]["speedup"] > history[0]["speedup"]
+
+
+def _saving_half_the_prices(models, tokenizer, runtime, rounds=5):
+    """Whole-graph timings where halving every priced bond saves half of what the single-layer prices say."""
+    halved = models["halved"][0]
+    gated = sum(r for _, m in speed_target.gated_modules(models["now"][0]) for r, key in
+                zip(m.ranks, speed_target.price_keys(m)) if key is not None)
+    left = sum(r for _, m in speed_target.gated_modules(halved) for r, key in
+               zip(m.ranks, speed_target.price_keys(m)) if key is not None)
+    now = [1e-3 + 1e-6 * gated * 0.5 + 1e-6 * jitter for jitter in (0, 1, 2)]
+    return {"now": ("int8", now), "halved": ("int8", [t - 1e-6 * 0.5 * (gated - left) for t in now])}
+
+
+def test_single_layer_prices_are_scaled_to_what_the_whole_graph_saves(tmp_path, tokenizer, monkeypatch):
+    controller = _controller(tmp_path, tokenizer)
+    modules, model = controller.modules, controller.model
+    prices = _flat_prices(modules)
+    halved = speed_target.halved_copy(model, modules, prices)
+    for (name, before), (_, after) in zip(modules, speed_target.gated_modules(halved)):
+        for rank, new, key in zip(before.ranks, after.ranks, speed_target.price_keys(before)):
+            assert new == (rank + 1) // 2 if key is not None else new == rank
+    assert controller.modules[0][1].ranks == modules[0][1].ranks  # the model itself is left as it was
+    monkeypatch.setattr(speed_target, "fastest_forms", _saving_half_the_prices)
+    scaled = speed_target.calibrated(prices, modules, model, tokenizer, "torch")
+    assert [[round(p, 6) for p in bonds] for bonds in scaled] == [[0.5 * p for p in bonds] for bonds in prices]
+    monkeypatch.setattr(speed_target, "fastest_forms", lambda models, tokenizer, runtime, rounds=5: {
+        "now": ("int8", [0.010, 0.020, 0.012]), "halved": ("int8", [0.011, 0.012, 0.019])})
+    with pytest.raises(TooNoisy, match=r"timing on this machine is too noisy to price the gates: halving every "
+                                       r"gated layer saved"):
+        speed_target.calibrated(prices, modules, model, tokenizer, "torch")
 
 
 def test_a_speed_short_of_the_target_is_the_runs_shortfall():
@@ -191,6 +222,7 @@ def test_comera_train_and_report_state_the_speed_reached_beside_the_ratio(tmp_pa
     monkeypatch.setattr(speed_target, "serving_speed", measured)
     monkeypatch.setattr(training_run, "serving_speed", measured)
     monkeypatch.setattr(speed_target, "entry_prices", lambda keys, runtime: {key: 1.0 for key in keys})
+    monkeypatch.setattr(speed_target, "fastest_forms", _saving_half_the_prices)
     result = CliRunner().invoke(main, ["train", str(path), "--objective", "mlm", "--data", str(corpus), "--steps",
                                        "16", "--seq-len", "32", "--batch-size", "4", "--target-speedup", "1.5",
                                        "--runtime", "torch", "--out", str(tmp_path / "out")])
@@ -199,3 +231,16 @@ def test_comera_train_and_report_state_the_speed_reached_beside_the_ratio(tmp_pa
             "(target 1.5x, reached)") in " ".join(result.output.split())
     report = CliRunner().invoke(main, ["report", str(tmp_path / "out")])
     assert "target speedup 1.5x in torch reached (1.46x measured, ratio" in " ".join(report.output.split())
+
+
+def test_every_model_is_timed_in_each_of_its_forms_in_the_same_rounds(tmp_path, tokenizer):
+    path = compressed(tmp_path, tokenizer, rank=24)
+    model = comera_convert.from_pretrained(path).eval()
+    dense = comera_convert.decompress_model(comera_convert.from_pretrained(path)).eval()
+    timed = gate_prices.fastest_forms({"dense": (dense, False), "comera": (model, True)}, tokenizer, "torch",
+                                      rounds=2)
+    assert set(timed) == {"dense", "comera"}
+    assert all(form in ("float32", "int8") and len(rounds) == 2 and min(rounds) > 0
+               for form, rounds in timed.values())
+    speed = gate_prices.serving_speed(model, dense, tokenizer, "torch", rounds=2)
+    assert speed.runtime == "torch" and speed.dense_form in ("float32", "int8") and speed.speedup > 0

@@ -136,10 +136,13 @@ def _chain_of(key, share: float) -> list[ChainLayer]:
 
 
 # -- whole models -------------------------------------------------------------------------------------
-def timing_inputs(shape: tuple[int, int] = SERVING_SHAPE) -> dict[str, torch.Tensor]:
-    """One batch of token ids of ``shape``, every token attended to."""
+def timing_inputs(config=None, shape: tuple[int, int] = SERVING_SHAPE) -> dict[str, torch.Tensor]:
+    """One batch of token ids of ``shape``, every token attended to: no longer than ``config``'s model embeds,
+    its ids within its vocabulary."""
+    tokens = min(shape[1], getattr(config, "max_position_embeddings", shape[1]) - 2)
+    high = min(TOKEN_IDS[1], getattr(config, "vocab_size", TOKEN_IDS[1]))
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(*TOKEN_IDS, shape, generator=generator)
+    ids = torch.randint(min(TOKEN_IDS[0], high - 1), high, (shape[0], tokens), generator=generator)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids)}
 
 
@@ -147,7 +150,7 @@ def model_forms(model: nn.Module, tokenizer, runtime: str, compressed: bool, fol
     """Each form ``model`` serves in within ``runtime`` (float and int8) as a call on ``timing_inputs``: the
     graphs are written into ``folder``; a compressed model's layers two products through each bond (its
     plan's default; ``comera export`` then times the forms)."""
-    batch = timing_inputs()
+    batch = timing_inputs(getattr(model, "config", None))
     forms = "pair"
     if runtime == "torch":
         int8 = copy.deepcopy(model)
@@ -199,21 +202,31 @@ class ServingSpeed:
         return dict(self.__dict__)
 
 
+def fastest_forms(models: dict[str, tuple[nn.Module, bool]], tokenizer, runtime: str,
+                  rounds: int = MODEL_ROUNDS) -> dict[str, tuple[str, list[float]]]:
+    """Each of ``models`` (name: (model, whether compressed)) in each of its forms in ``runtime``, every form of
+    every model timed in the same rounds; for each model its fastest form's name and its rounds' seconds."""
+    with tempfile.TemporaryDirectory(prefix="comera-speed-") as folder:
+        calls = {}
+        for name, (model, compressed) in models.items():
+            directory = Path(folder) / f"model-{len(calls)}"
+            directory.mkdir()
+            calls.update({(name, form): call for form, call in
+                          model_forms(model, tokenizer, runtime, compressed, directory).items()})
+        times = timed_rounds(calls, rounds)
+    fastest = {}
+    for name in models:
+        key = min((key for key in times if key[0] == name), key=lambda k: statistics.median(times[k]))
+        fastest[name] = (key[1], times[key])
+    return fastest
+
+
 def serving_speed(model: nn.Module, dense: nn.Module, tokenizer, runtime: str,
                   rounds: int = MODEL_ROUNDS) -> ServingSpeed:
     """``model``'s speed against ``dense``, each in its fastest form in ``runtime``, timed in the same rounds."""
-    with tempfile.TemporaryDirectory(prefix="comera-speed-") as folder:
-        calls = {}
-        for where, each, compressed in (("dense", dense, False), ("comera", model, True)):
-            directory = Path(folder) / where
-            directory.mkdir()
-            calls.update({(where, form): call for form, call in
-                          model_forms(each, tokenizer, runtime, compressed, directory).items()})
-        times = timed_rounds(calls, rounds)
-    medians = {key: statistics.median(seconds) for key, seconds in times.items()}
-    dense_key = min((key for key in medians if key[0] == "dense"), key=medians.get)
-    model_key = min((key for key in medians if key[0] == "comera"), key=medians.get)
-    ratios = [d / m for d, m in zip(times[dense_key], times[model_key])]
+    timed = fastest_forms({"dense": (dense, False), "comera": (model, True)}, tokenizer, runtime, rounds)
+    (dense_form, dense_times), (form, times) = timed["dense"], timed["comera"]
+    ratios = [d / m for d, m in zip(dense_times, times)]
     error = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else float("nan")
-    return ServingSpeed(runtime, statistics.median(ratios), error, dense_key[1], medians[dense_key] * MICROSECONDS,
-                        model_key[1], medians[model_key] * MICROSECONDS)
+    return ServingSpeed(runtime, statistics.median(ratios), error, dense_form,
+                        statistics.median(dense_times) * MICROSECONDS, form, statistics.median(times) * MICROSECONDS)
