@@ -13,7 +13,10 @@ becomes what it computes at inference, with the same outputs:
 - a ``PrunedLinear`` (one side of a feed-forward pair pruned by neuron) as the narrow ``nn.Linear`` it is;
 - a ``CodebookEmbedding`` as two gathers (each token's codes, then each code's centre);
 - a ``TTEmbedding`` of the tt layout as a gather from its row half times its column half (the table is
-  never built); a ttm-layout one as its table.
+  never built).
+
+Layers of the ttm layout stay as they are: the tracer follows their core contractions, which hold a
+fraction of the dense weights (multiplied out, a graph would store the dense model again).
 
 Which form each pair takes is the caller's choice (``hf/form_timing.py`` times them on the machine).
 Integer storage is honoured: the layers' rounded weights are what the forms hold.
@@ -126,19 +129,16 @@ def factor_pairs(model: nn.Module) -> dict[str, TTLinear]:
 
 def _served(module: nn.Module, form: str) -> nn.Module | None:
     """The serving form of one compressed module, or None where it stays as it is."""
+    if isinstance(module, (TTLinear, TTEmbedding)) and module.spec.layout != "tt":
+        return None  # its cores, contracted as the layer does (module docstring)
     if isinstance(module, TTLinear):
-        if module.spec.layout != "tt":
-            return linear_of(module.dense_weight().detach(), module.bias)
         return merged_form(module) if form == "merged" else pair_form(module)
     if isinstance(module, PrunedLinear):
         return linear_of(module.gated_weight().detach(), module.bias)
     if isinstance(module, CodebookEmbedding):
         return CodebookLookup(module)
     if isinstance(module, TTEmbedding):
-        if module.spec.layout == "tt":
-            return HalvesLookup(module)
-        return nn.Embedding.from_pretrained(module.dense_matrix().detach(), freeze=True,
-                                            padding_idx=module.padding_idx)
+        return HalvesLookup(module)
     return None
 
 
