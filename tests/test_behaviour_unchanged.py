@@ -18,6 +18,9 @@ RELATIVE = 1e-4
 # move a 30522-row embedding's later cores by up to 2e-3 of their scale. A changed rank, split or
 # initialization moves them by tenths.
 TENSOR_RELATIVE = 1e-2
+# The losses after the first two: each update carries the conversion's and the kernels' rounding on, and
+# between the recording CPU and an AVX2 AMD EPYC the sixth loss moves by 0.84%.
+TRAINED_RELATIVE = 2e-2
 
 
 def differences(got: dict, want: dict) -> list[str]:
@@ -46,8 +49,9 @@ def test_a_conversion_writes_the_recorded_tensors(name, tmp_path):
 
 @pytest.mark.slow  # a short training run
 def test_a_training_run_gives_the_recorded_losses(tmp_path):
-    got = behaviour.trained_losses(tmp_path)
-    assert got == pytest.approx(RECORDED["training_losses"], rel=RELATIVE)
+    got, want = behaviour.trained_losses(tmp_path), RECORDED["training_losses"]
+    assert got[:2] == pytest.approx(want[:2], rel=RELATIVE)
+    assert got[2:] == pytest.approx(want[2:], rel=TRAINED_RELATIVE)
 
 
 def test_the_comparison_sees_a_changed_tensor():
