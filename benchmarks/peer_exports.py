@@ -5,7 +5,7 @@ dense model, each made in a fresh environment of its own, as a user makes them.
     # then: comera bench serving --checkpoint ... --peer /tmp/peers/minilm/onnx/model_qint8_avx512_vnni.onnx \
     #           --peer /tmp/peers/minilm/openvino/openvino_model_qint8_quantized.xml
 
-- ``onnx/model_qint8_<arch>.onnx``: ``export_dynamic_quantized_onnx_model(model, "<arch>", out)`` of the model
+- ``onnx/model_qint8_<arch>.onnx`` (``model_quint8_avx2.onnx``): ``export_dynamic_quantized_onnx_model(model, "<arch>", out)`` of the model
   loaded with ``backend="onnx"`` (optimum exports it), ``arch`` this CPU's most capable;
 - ``openvino/openvino_model_qint8_quantized.xml``: ``export_static_quantized_openvino_model(model,
   OVQuantizationConfig(), out)`` of the model loaded with ``backend="openvino"`` (optimum-intel converts it),
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"exporting {args.model} with sentence-transformers[{backend}]", file=sys.stderr, flush=True)
         subprocess.run([str(python), "-c", EXPORT, backend, str(model), str(args.out), this_machine_arch(),
                         str(texts)], check=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-    for file in sorted(args.out.rglob("*qint8*")):
+    for file in sorted(args.out.rglob("*int8*")):
         print(file)
 
 

@@ -31,7 +31,7 @@ from record import run_command as run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DOMAINS = ("english", "man", "debian")
-PEER_FILES = ("onnx/model_qint8_*.onnx", "openvino/openvino_model_qint8_quantized.xml")
+PEER_FILES = ("onnx/model_q*int8_*.onnx", "openvino/openvino_model_qint8_quantized.xml")
 # The columns a frontier reads: what each method is, its speed against dense and the fastest route with no
 # comera, and the share kept on each domain and the worst.
 COLUMNS = ("method", "checkpoint", "sentences_per_s", "speed_vs_dense", "speed_vs_peer", "worst_kept",

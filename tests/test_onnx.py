@@ -114,7 +114,7 @@ def test_int8_export_goes_into_the_checkpoint_as_sentence_transformers_names_it(
     model, path = sentence_folder(tmp_path)
     result = export_model(str(path), quantize="int8", arch="avx2", forms="pair")
     assert result.out == path and result.notes == []
-    assert result.graphs == [path / "onnx" / "model.onnx", path / "onnx" / "model_qint8_avx2.onnx"]
+    assert result.graphs == [path / "onnx" / "model.onnx", path / "onnx" / "model_quint8_avx2.onnx"]
     assert result.graphs[1].stat().st_size < 0.8 * result.graphs[0].stat().st_size  # weights in int8, not all
     batch = inputs(seed=3)
     expected = outputs(model, batch)

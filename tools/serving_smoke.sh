@@ -83,7 +83,7 @@ assert importlib.util.find_spec("comera_convert") is None, "this environment mus
 expected = json.loads((work / "expected.json").read_text())
 want = np.array(expected["embeddings"])
 for file in files:
-    least = 0.99 if "qint8" in file else 0.9999
+    least = 0.99 if "int8" in file else 0.9999
     model = SentenceTransformer(str(work / folder), backend=backend, model_kwargs={"file_name": file}, device="cpu")
     got = model.encode(expected["texts"])
     cosine = (got * want).sum(axis=1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
@@ -95,7 +95,7 @@ PY
 
 onnx_venv=${SERVING_VENV:-$work/venv-onnx}
 make_env "$onnx_venv" onnx
-check "$onnx_venv" onnx onnx onnx/model.onnx onnx/model_qint8_avx2.onnx
+check "$onnx_venv" onnx onnx onnx/model.onnx onnx/model_quint8_avx2.onnx
 openvino_venv=${OPENVINO_VENV:-$work/venv-openvino}
 make_env "$openvino_venv" openvino
 check "$openvino_venv" openvino openvino openvino/openvino_model.xml openvino/openvino_model_qint8_quantized.xml
