@@ -187,7 +187,7 @@ def test_dense_directory_is_not_a_compressed_checkpoint(tmp_path):
 # The loading ways, each as a user's fresh process meets them, two processes in all: plain transformers
 # first (it must refuse, and then trust_remote_code opens the checkpoint with no import of ours), and
 # `import comera_convert` first (AutoModel opens it through the registered method, and so does
-# comera_convert.from_pretrained). Each writes the logits it got, or the refusal it met.
+# comera_convert.from_pretrained). Each writes the logits it got, or the refusal it got.
 WITHOUT_IMPORT = textwrap.dedent("""
     import sys, torch
     from transformers import AutoModelForMaskedLM

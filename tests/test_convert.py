@@ -30,7 +30,7 @@ def test_ratio_is_met_and_reported(case):
     report = comera_convert.convert(model, ratio=3)
     assert report.params_before == before
     assert report.params_after == count_params(model)
-    assert 3 <= report.ratio < 3 * 1.1  # at least the target, and close to it
+    assert 3 <= report.ratio < 3 * 1.1  # at least the ratio requested, and close to it
     assert report.shared_rank >= 1
     assert all(row.tt_params < row.dense_params for row in report.modules if row.kind != "tied_head")
 
@@ -207,7 +207,7 @@ def test_the_last_block_gets_its_rank_scale_and_the_ratio_still_holds(family):
 def test_the_last_blocks_attention_output_stays_dense_within_the_ratio(family, kept):
     """bert-base, an MPNet, a Llama and a GPT-2 planned on the meta device at --ratio 6: the last block's
     attention output projection stays a dense layer (the same projection of the first block is
-    converted), the ratio holds, and its cost comes out of the shared rank; asked to factorize it,
+    converted), the ratio holds, and its cost comes out of the shared rank; told to factorize it,
     it is converted like the rest."""
     from transformers import (BertConfig, BertModel, GPT2Config, GPT2Model, LlamaConfig, LlamaModel, MPNetConfig,
                               MPNetModel)

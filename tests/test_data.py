@@ -63,7 +63,7 @@ def test_a_missing_calibration_file_is_refused_with_the_options(tmp_path):
     assert ConvertOptions(ratio=4, calibration=str(tmp_path / "texts.txt")).calibration == str(tmp_path / "texts.txt")
     with pytest.raises(ConfigError, match="did you mean 'english'"):
         ConvertOptions(ratio=4, calibration="englsh")
-    # A hub dataset's owner/name is no path: it is asked for when read (it used to be refused as a
+    # A hub dataset's owner/name is no path: it is requested when read (it used to be refused as a
     # missing folder, the owner not being a local directory).
     assert ConvertOptions(ratio=4, calibration="some-owner/some-texts").calibration == "some-owner/some-texts"
 

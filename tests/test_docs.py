@@ -162,13 +162,14 @@ PROSE_SUFFIXES = (".py", ".md", ".yaml", ".yml", ".toml", ".cfg", ".sh", ".json"
 
 def project_files() -> list[Path]:
     """What users and contributors read: the front page, docs, benchmarks and their records, the
-    changelog, examples, tools and the package itself."""
+    changelog, examples, tools, the tests (but this file, whose samples hold such words) and the package
+    itself."""
     files = [REPO / name for name in ("README.md", "BENCHMARKS.md", "CHANGELOG.md", "CONTRIBUTING.md",
                                       "ARCHITECTURE.md", "pyproject.toml", "setup.cfg", "mkdocs.yml")]
-    for folder in ("docs", "examples", "benchmarks", "tools", "comera_convert", ".ci"):
+    for folder in ("docs", "examples", "benchmarks", "tools", "comera_convert", ".ci", "tests"):
         files += [path for path in (REPO / folder).rglob("*") if path.suffix in PROSE_SUFFIXES or
                   (folder == ".ci" and path.is_file())]
-    return [path for path in files if path.is_file()]
+    return [path for path in files if path.is_file() and path != Path(__file__).resolve()]
 
 
 def process_words(paths: list[Path]) -> list[str]:

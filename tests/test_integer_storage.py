@@ -85,7 +85,7 @@ def test_bad_values_and_scales_are_refused_in_one_line():
         dequantize(values, scales.zero_(), IntegerFormat(8), (4, 64))
     with pytest.raises(ConfigError, match="expected a group size as an even integer"):
         IntegerFormat(4, 7)
-    # A width the default group size does not divide gets fewer, evenly sized groups (an asked size
+    # A width the default group size does not divide gets fewer, evenly sized groups (a requested size
     # must divide it): 96 = 2 x 48, 200 = 2 x 100.
     assert integer_format("int4").groups(96, "w") == 1 and integer_format("int4").groups(200, "w") == 2
 

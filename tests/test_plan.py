@@ -1,4 +1,4 @@
-"""The request and its plan: the request holds only what was asked, the plan derives every default once for a
+"""The request and its plan: the request holds only what the user gave, the plan derives every default once for a
 model (each with its reason), the report stores the plan and `comera report` prints it."""
 
 import dataclasses

@@ -147,7 +147,7 @@ def test_calibration_sequences_follow_the_model_size_where_compensating():
     # MiniLM at --ratio 1.9: the codebook table alone reaches it, the layers need no cut, no compensation
     assert _planned(ratio=1.9, cut=0.99).calibration_sequences == 128
     assert _planned(ratio=4, compensate=False).calibration_sequences == 128
-    assert _planned(ratio=4, calibration_sequences=64).calibration_sequences == 64  # as asked
+    assert _planned(ratio=4, calibration_sequences=64).calibration_sequences == 64  # as requested
     with pytest.raises(ConfigError, match="calibration_sequences as a positive integer"):
         ConvertOptions(ratio=4, calibration_sequences=0)
 

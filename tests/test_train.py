@@ -793,7 +793,7 @@ def test_resume_on_another_rank_schedule_is_refused_and_an_unrecorded_one_warns(
     train(str(path), TrainOptions(**settings), tmp_path / "out", callbacks=[StopAt(6)])
     state_path = tmp_path / "out" / "checkpoints" / "checkpoint-6" / STATE_FILE
     assert json.loads(state_path.read_text())["schedule"]["budget_share"] == 0.5
-    # Left to today's default (or another value), the share would change the course of the run.
+    # Left to the default (or another value), the share would change the course of the run.
     with pytest.raises(ConfigError, match=r"checkpoint-6 was trained with --budget-share 0\.5, this command "
                                           r"gives --budget-share 0\.15: resume it with the settings"):
         train(str(path), TrainOptions(**{**settings, "budget_share": None}), tmp_path / "out", resume=True)
@@ -1156,7 +1156,7 @@ def test_the_last_blocks_bonds_keep_the_share_asked_for_and_the_others_the_runs_
     for (name, module), floors in zip(controller.modules, controller.floors):
         share = max(0.5, controller.kept_share) if name.startswith(last) else controller.kept_share
         assert floors == [max(1, math.ceil(share * r)) for r in module.ranks], name
-    # Trained to the target, no bond of the last block ends below half its rank.
+    # Trained to the target ratio, no bond of the last block ends below half its rank.
     before = {name: module.ranks for name, module in controller.modules if name.startswith(last)}
     result = train(str(path), TrainOptions(objective="mlm", data=str(corpus), **{**TARGET, "target_ratio": target},
                                            last_block_floor=0.5), tmp_path / "out")
@@ -1476,7 +1476,7 @@ def test_the_budget_reaches_the_target_over_its_share_of_the_late_stage(tmp_path
     history = json.loads((tmp_path / "out" / "comera_history.json").read_text())
     switch = next(h["step"] for h in history if h["stage"] == "late")
     reached = next(h["step"] for h in history if h["ratio"] >= TARGET["target_ratio"])
-    # The budget falls to the target over its share of the late stage (its last step may land a
+    # The budget falls to its target over its share of the late stage (its last step may land a
     # closure early: entries close whole).
     end = switch + math.ceil(share * (TARGET["steps"] - switch))
     assert end - 1 <= reached <= end
@@ -1527,9 +1527,9 @@ def test_a_loss_that_rose_with_nothing_to_show_for_it_is_named(before, after, ra
 
 
 @pytest.mark.parametrize("kept_before,kept_after,ratio_after,warned", [
-    (0.958, 0.096, 4.01, True),   # 2x -> 4x broken by the lopsided re-projection (session 49)
+    (0.958, 0.096, 4.01, True),   # 2x -> 4x broken by the lopsided re-projection
     (0.910, 0.036, 4.00, True),   # 3x -> 4x, the same
-    (0.958, 0.849, 4.01, False),  # 2x -> 4x at the default switch: quality traded for size (session 47)
+    (0.958, 0.849, 4.01, False),  # 2x -> 4x at the default switch: quality traded for size
     (0.854, 0.777, 8.00, False),  # all-mpnet-base-v2 4x -> 8x
     (0.958, 0.096, 2.00, False),  # nothing closed: the loss rule speaks for such runs
     (None, None, 4.00, False),    # no retrieval measured (masked-LM training)
