@@ -5,7 +5,8 @@ dense model, each made in a fresh environment of its own, as a user makes them.
     # then: comera bench serving --checkpoint ... --peer /tmp/peers/minilm/onnx/model_qint8_avx512_vnni.onnx \
     #           --peer /tmp/peers/minilm/openvino/openvino_model_qint8_quantized.xml
 
-- ``onnx/model_qint8_<arch>.onnx`` (``model_quint8_avx2.onnx``): ``export_dynamic_quantized_onnx_model(model, "<arch>", out)`` of the model
+- ``onnx/model_qint8_<arch>.onnx`` (``model_quint8_avx2.onnx``):
+  ``export_dynamic_quantized_onnx_model(model, "<arch>", out)`` of the model
   loaded with ``backend="onnx"`` (optimum exports it), ``arch`` this CPU's most capable;
 - ``openvino/openvino_model_qint8_quantized.xml``: ``export_static_quantized_openvino_model(model,
   OVQuantizationConfig(), out)`` of the model loaded with ``backend="openvino"`` (optimum-intel converts it),

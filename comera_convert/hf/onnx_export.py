@@ -4,8 +4,8 @@ torch's exporter (``torch.onnx.export(dynamo=True)``) traces the TT contractions
 the graph holds the cores (or the two merged halves the optimizer folds them into), not dense
 weights. The graphs go where sentence-transformers and optimum look for them, an ``onnx/`` folder:
 ``onnx/model.onnx`` (one file, its weights inside, below protobuf's 2 GB), and with ``quantize="int8"``
-``onnx/model_qint8_<arch>.onnx`` (``model_quint8_avx2.onnx``) quantized as sentence-transformers quantizes a dense model's export
-(``onnx_int8.py``); ``export.py`` puts them in place. Each graph is checked against PyTorch with
+``onnx/model_qint8_<arch>.onnx`` (``model_quint8_avx2.onnx``) quantized as sentence-transformers quantizes a
+dense model's export (``onnx_int8.py``); ``export.py`` puts them in place. Each graph is checked against PyTorch with
 onnxruntime on a tokenized sample.
 """
 

@@ -5,7 +5,8 @@ sentence-transformers' ``export_dynamic_quantized_onnx_model(model, "avx512_vnni
 onnxruntime's ``quantize_dynamic``: weights int8 per output channel (uint8 on ``avx2``), activations
 uint8, quantized as they come, full range, every operator onnxruntime has an integer kernel for. The
 same call here quantizes a compressed graph exactly as the dense model's export is quantized, without
-optimum, and names the file as sentence-transformers does (``model_qint8_<arch>.onnx``, ``model_quint8_avx2.onnx``), so that
+optimum, and names the file as sentence-transformers does (``model_qint8_<arch>.onnx``,
+``model_quint8_avx2.onnx``), so that
 ``SentenceTransformer(path, backend="onnx", model_kwargs={"file_name": "onnx/model_qint8_avx512_vnni.onnx"})``
 finds it.
 
