@@ -69,7 +69,7 @@ def write_openvino_graphs(model: torch.nn.Module, tokenizer, directory: Path, *,
 
     reference = reference_outputs(model, tokenizer)
     plans = {OPENVINO_FILE: plan_forms(model, "openvino", False, forms, progress=progress)}
-    graph = frontend_graph(model, plans[OPENVINO_FILE], reference.sample, progress)
+    graph = frontend_graph(model, plans[OPENVINO_FILE], reference.sample, progress, reference.output_name)
     file = directory / OPENVINO_FILE
     openvino.save_model(graph, str(file), compress_to_fp16=False)
     result = OnnxExport(out=directory, output_name=reference.output_name, opset=None, graphs=[file],
@@ -77,7 +77,7 @@ def write_openvino_graphs(model: torch.nn.Module, tokenizer, directory: Path, *,
     if quantize:
         plans[INT8_FILE] = plan = plan_forms(model, "openvino", True, forms, progress=progress)
         if plan.forms() != plans[OPENVINO_FILE].forms():
-            graph = frontend_graph(model, plan, reference.sample, progress)
+            graph = frontend_graph(model, plan, reference.sample, progress, reference.output_name)
         progress(f"quantizing to int8 on {CALIBRATION_TEXTS} texts of the {CALIBRATION_SOURCE} corpus")
         quantized = directory / INT8_FILE
         tokens = min(CALIBRATION_TOKENS, getattr(model.config, "max_position_embeddings", CALIBRATION_TOKENS))
@@ -89,10 +89,12 @@ def write_openvino_graphs(model: torch.nn.Module, tokenizer, directory: Path, *,
     return result
 
 
-def frontend_graph(model: torch.nn.Module, plan: FormPlan, sample: dict, progress: Progress = no_progress):
+def frontend_graph(model: torch.nn.Module, plan: FormPlan, sample: dict, progress: Progress = no_progress,
+                   output_name: str | None = None):
     """``model`` in its serving forms (``plan``), converted by OpenVINO's PyTorch frontend as optimum-intel
     converts a dense model: traced on ``sample``, inputs of any batch and length, attention written as
-    scaled-dot-product attention (OpenVINO's fused operation) where the architecture has it."""
+    scaled-dot-product attention (OpenVINO's fused operation) where the architecture has it; its output
+    named ``output_name``, the name optimum-intel reads it by (``last_hidden_state`` for an encoder)."""
     import openvino
 
     progress("converting to OpenVINO (PyTorch frontend)")
@@ -101,7 +103,10 @@ def frontend_graph(model: torch.nn.Module, plan: FormPlan, sample: dict, progres
         served.set_attn_implementation("sdpa")
     with warnings.catch_warnings():  # the tracer warns of every shape it reads as a constant
         warnings.simplefilter("ignore")
-        return openvino.convert_model(MainOutput(served), example_input=sample)
+        graph = openvino.convert_model(MainOutput(served), example_input=sample)
+    if output_name:
+        graph.outputs[0].get_tensor().set_names({output_name})
+    return graph
 
 
 def quantize_static(graph, tokenizer, tokens: int = CALIBRATION_TOKENS, float_layers=()):
