@@ -6,7 +6,7 @@
 #   5.3     transformers 5.3.0, what model2vec[distill] pins, with the CPU torch these machines carry
 #   newest  the newest torch and transformers releases inside the ranges that pip installs here, with
 #           the project and every dependency (pip's resolver picks them together, as for users)
-#   openvino  openvino 2024.4.0 and nncf 2.14.0, the lower bounds of the openvino extra, with the CPU
+#   openvino  openvino 2025.3.0 and nncf 2.18.0, the lower bounds of the openvino extra, with the CPU
 #           torch these machines carry: the OpenVINO export's tests
 #
 #   tools/test_dependency_ends.sh                # all four
@@ -47,7 +47,7 @@ for end in $ENDS; do
         5.3) torch=2.13.0; transformers=5.3.0; tests=(tests/test_compat.py tests/test_failures.py tests/test_minilm.py) ;;
         newest) read -r torch transformers < <(newest) || { echo "pip resolves no torch and transformers here" >&2; exit 1; }
                 tests=("${INTEGRATION[@]}") ;;
-        openvino) torch=2.13.0; transformers=5.3.0; pins=("openvino==2024.4.0" "nncf==2.14.0")
+        openvino) torch=2.13.0; transformers=5.3.0; pins=("openvino==2025.3.0" "nncf==2.18.0")
                   tests=(tests/test_openvino.py) ;;
         *) echo "unknown end $end (lowest, 5.3, newest, openvino)" >&2; exit 2 ;;
     esac
