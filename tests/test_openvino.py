@@ -62,11 +62,9 @@ def test_openvino_graphs_go_where_sentence_transformers_looks_and_compute_what_p
 
 def test_the_default_forms_are_timed_here_and_each_is_the_fastest_measured(tmp_path):
     from comera_convert.hf.form_timing import default_choice, plan_forms
-    from comera_convert.hf.onnx_export import eager_attention
 
     model, _ = sentence_folder(tmp_path)
-    with eager_attention(model):
-        plan = plan_forms(model, "openvino", True, rounds=2)
+    plan = plan_forms(model, "openvino", True, rounds=2)
     timed = [group for group in plan.groups if group.milliseconds]
     assert timed
     for group in timed:  # the fastest, or the default where the rounds' spread exceeds the fastest's lead

@@ -26,12 +26,15 @@ import tempfile
 from pathlib import Path
 
 from ..errors import ConfigError, expected
+from ..machine import cpu_features
 
 # The architectures sentence-transformers names its int8 files after, most capable first, and the
 # weight type each one's kernels take (avx2's integer GEMM multiplies unsigned weights).
 WEIGHT_TYPES = {"avx512_vnni": "QInt8", "avx512": "QInt8", "avx2": "QUInt8", "arm64": "QInt8"}
 ARCHES = tuple(WEIGHT_TYPES)
-CPU_FLAGS = "/proc/cpuinfo"
+# x86 without VNNI: an int8 product sums unsigned-by-signed byte pairs in 16 bits, which full-range
+# weights can overflow.
+SATURATING_ARCHES = ("avx512", "avx2")
 
 
 def int8_file_name(arch: str) -> str:
@@ -48,16 +51,13 @@ def check_arch(arch: str) -> str:
 
 def this_machine_arch() -> str:
     """The most capable of ``ARCHES`` this CPU runs: arm64 on ARM, else read from the CPU's flags
-    (avx2 where they cannot be read)."""
+    (``machine.cpu_features``; avx2 where they cannot be read)."""
     if platform.machine().lower() in ("arm64", "aarch64"):
         return "arm64"
-    try:
-        flags = set(Path(CPU_FLAGS).read_text().split())
-    except OSError:
-        return "avx2"
-    if "avx512_vnni" in flags:
+    features = cpu_features()
+    if "avx512_vnni" in features:
         return "avx512_vnni"
-    return "avx512" if "avx512f" in flags else "avx2"
+    return "avx512" if "avx512f" in features else "avx2"
 
 
 def require_onnxruntime(what: str) -> None:

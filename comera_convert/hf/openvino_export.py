@@ -30,7 +30,7 @@ from ..progress import Progress, no_progress
 from ..text import training_documents
 from ..layers.serving_forms import serving_copy
 from .form_timing import FormPlan, plan_forms, write_plans
-from .onnx_int8 import this_machine_arch
+from .onnx_int8 import SATURATING_ARCHES, this_machine_arch
 from .runtimes import compile_graph, graph_input, quiet_nncf, run_graph
 from .onnx_export import TOLERANCE, MainOutput, OnnxExport, reference_outputs, relative_error
 
@@ -128,12 +128,11 @@ def quantize_static(graph, tokenizer, tokens: int = CALIBRATION_TOKENS, float_la
 
 def overflow_fix(arch: str):
     """NNCF's parameters for a CPU of ``arch`` (``onnx_int8.ARCHES``): the overflow fix on every layer where
-    its int8 products sum unsigned-by-signed byte pairs in 16 bits (x86 without VNNI; a tiny BERT's int8
-    outputs move by a twentieth there with full-range weights, by under a hundredth with 7-bit ones), else
-    NNCF's defaults (None)."""
+    its int8 products can saturate (``SATURATING_ARCHES``; a tiny BERT's int8 outputs move by a twentieth there
+    with full-range weights, by under a hundredth with 7-bit ones), else NNCF's defaults (None)."""
     from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters, OverflowFix
 
-    return AdvancedQuantizationParameters(overflow_fix=OverflowFix.ENABLE) if arch in ("avx2", "avx512") else None
+    return AdvancedQuantizationParameters(overflow_fix=OverflowFix.ENABLE) if arch in SATURATING_ARCHES else None
 
 
 def layer_pattern(name: str) -> str:
