@@ -1,7 +1,7 @@
 """comera_convert: tensor-train compression and rank-adaptive training of Hugging Face models.
 
     import comera_convert
-    report = comera_convert.convert(model, ratio=4)          # in place
+    report = comera_convert.convert(model, ratio=4, tokenizer=tokenizer)  # in place, calibrated
     model.save_pretrained("model-tt4")                       # a compressed checkpoint
     AutoModel.from_pretrained("model-tt4")                   # loads it (after the import)
 

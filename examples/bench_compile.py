@@ -36,7 +36,7 @@ def main():
     torch.manual_seed(0)
     model = BertForMaskedLM(BertConfig())
     if CONVERSIONS[args.model]:
-        comera_convert.convert(model, **CONVERSIONS[args.model])
+        comera_convert.convert(model, uncalibrated=True, **CONVERSIONS[args.model])
     model.cuda().train()
     capture = args.mode == "graph"
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=capture)

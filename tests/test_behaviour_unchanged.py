@@ -1,6 +1,6 @@
 """The conversion and training paths give what they gave when tests/data/behaviour.json was recorded
-(``tests/behaviour.py``): every tensor of a dozen conversions, streamed and in memory, and the losses of
-a short training run. A refactor must leave them as they are."""
+(``tests/behaviour.py``): every tensor of two dozen conversions, streamed and in memory, each converting
+the blocks' linears, and the losses of a short training run. A refactor must leave them as they are."""
 
 import json
 import math
@@ -52,6 +52,24 @@ def test_a_training_run_gives_the_recorded_losses(tmp_path):
     got, want = behaviour.trained_losses(tmp_path), RECORDED["training_losses"]
     assert got[:2] == pytest.approx(want[:2], rel=RELATIVE)
     assert got[2:] == pytest.approx(want[2:], rel=TRAINED_RELATIVE)
+
+
+def test_no_two_recorded_cases_are_alike():
+    # Each option set records its own path: two identical digests would mean a case that sees nothing
+    # the other does not (as when the word table alone reached the ratio and every block stayed dense).
+    alike: dict[str, list[str]] = {}
+    for name, digest in RECORDED["conversions"].items():
+        alike.setdefault(json.dumps(digest, sort_keys=True), []).append(name)
+    assert [names for names in alike.values() if len(names) > 1] == []
+    assert sorted(RECORDED["conversions"]) == sorted(behaviour.CONVERSIONS)
+
+
+def test_every_recorded_case_converts_the_blocks_linears():
+    for name, digest in RECORDED["conversions"].items():
+        factorized = {key.rsplit(".cores.", 1)[0] for key in digest if "encoder.layer." in key and ".cores." in key}
+        pruned = [key for key, tensor in digest.items()
+                  if key.endswith("intermediate.dense.weight") and tensor["shape"][0] < behaviour.NEURONS]
+        assert len(factorized) + len(pruned) >= 4 * behaviour.LAYERS, name  # at least q, k, v, o of each block
 
 
 def test_the_comparison_sees_a_changed_tensor():

@@ -90,6 +90,11 @@ def test_bad_values_and_scales_are_refused_in_one_line():
     assert integer_format("int4").groups(96, "w") == 1 and integer_format("int4").groups(200, "w") == 2
 
 
+# On these tiny random models rounding moved the outputs by 0.011-0.013 (int8, a scale per channel) and
+# 0.18-0.21 (int4, a scale per group of 128) of their size.
+ROUNDING_MOVES = {"int8": 0.03, "int4": 0.3}
+
+
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
 @pytest.mark.parametrize("case", ["bert-mlm", "gpt2-clm", "llama-clm"])
 def test_an_integer_checkpoint_loads_back_as_the_model_that_was_saved(case, dtype, tmp_path):
@@ -110,10 +115,14 @@ def test_an_integer_checkpoint_loads_back_as_the_model_that_was_saved(case, dtyp
     # The conversion rounds each factor as it makes it: in memory it is what the checkpoint holds.
     assert torch.equal(outputs(loaded), outputs(model))
     assert all(p.dtype == torch.float32 for p in loaded.parameters())
-    assert rel_err(outputs(loaded), outputs(dense)) < 1  # close to the dense model, rounding and all
     assert torch.allclose(outputs(comera_convert.decompress_model(loaded)), outputs(model), atol=1e-5)
     bigger, float_model = tmp_path / "float", build(case)
     comera_convert.convert(float_model, ratio=3, last_block_rank_scale=1)  # the same conversion as floats
+    # Rounding moves the outputs from the same conversion in floats by ROUNDING_MOVES at most, and adds
+    # to the factorization's own error against the dense model a little, not a second error of its size.
+    assert rel_err(outputs(loaded), outputs(float_model)) < ROUNDING_MOVES[dtype]
+    factorized, rounded = rel_err(outputs(float_model), outputs(dense)), rel_err(outputs(loaded), outputs(dense))
+    assert rounded < factorized + 0.03, (rounded, factorized)
     float_model.save_pretrained(bigger)
     assert (tmp_path / "model.safetensors").stat().st_size < 0.6 * (bigger / "model.safetensors").stat().st_size
 

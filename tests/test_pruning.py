@@ -16,7 +16,7 @@ import comera_convert
 from comera_convert import ConvertOptions
 from comera_convert.conversion.plan import ModelShape, plan_for
 from comera_convert.conversion.calibration import Calibration, collect
-from comera_convert.conversion.pruning import compensate_up, ffn_pairs, kept_neurons, prune_pair
+from comera_convert.conversion.pruning import compensate_up, ffn_pairs, kept_multiple, kept_neurons, prune_pair
 from comera_convert.conversion.storage import MIN_INTEGER_VALUES, integer_format, train_on_the_grid
 from comera_convert.conversion.targets import find_candidates
 from comera_convert.errors import ConfigError, ModelLoadError
@@ -144,6 +144,18 @@ def test_kept_neurons_match_the_two_low_rank_specs_budget():
     assert kept * (64 + 1 + 64) <= low_rank < (kept + 1) * (64 + 1 + 64)
     in_eights = kept_neurons(up, up_spec, down, down_spec, 8)  # a rank multiple (or int4's 16)
     assert in_eights % 8 == 0 and kept - 8 < in_eights <= kept
+
+
+def test_kept_neurons_split_into_the_integer_groups_asked_for():
+    # A group size given for integer storage must divide down's rows, which are as long as the neurons kept.
+    assert kept_multiple(1, "int4", 32) == 32 and kept_multiple(8, "int8", 48) == 48
+    assert kept_multiple(8, "int4", None) == 16  # int4's own groups, chosen to divide what is kept
+    assert kept_multiple(8, "int8", None) == 8 and kept_multiple(8, None, None) == 8
+    model, stats = _calibrated("bert-mlm")
+    report = comera_convert.convert(model, ConvertOptions(ratio=3, ffn="prune", dtype="int4", group_size=32),
+                                    calibration=stats)
+    kept = [row.ranks[0] for row in report.modules if row.layout == "pruned"]
+    assert kept and all(count % 32 == 0 for count in kept), kept
 
 
 def test_a_pruned_checkpoint_loads_back_equal_and_decompresses_to_the_dense_shapes(tmp_path):

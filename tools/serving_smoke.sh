@@ -29,7 +29,7 @@ work = Path(sys.argv[1])
 torch.manual_seed(0)
 model = BertModel(BertConfig(vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                              intermediate_size=128, max_position_embeddings=64))
-comera_convert.convert(model, ratio=3)
+comera_convert.convert(model, ratio=3, uncalibrated=True)
 folder = work / "model"
 model.save_pretrained(folder)
 tokenizer = word_tokenizer(500)

@@ -137,7 +137,7 @@ def save_variants(directory: Path, quick: bool, bases=TRAIN_VARIANTS, model_name
             model = training_model(model_name, quick)
         path = directory / variant.replace(" ", "_").replace("-", "").replace(",", "")
         if variant in TT_CONVERSIONS:
-            comera_convert.convert(model, **TT_CONVERSIONS[variant])
+            comera_convert.convert(model, uncalibrated=True, **TT_CONVERSIONS[variant])  # timed, not scored
             save_compressed(model, path, overwrite=True, replace_dir=True)
         else:
             model.save_pretrained(path)
@@ -301,7 +301,7 @@ def inference_case(device: str, dtype, quick: bool, repeats: int) -> list[dict]:
     for name in names:  # no head here: the embedding's layout barely matters
         kwargs = TT_CONVERSIONS[name]
         model = BertModel(bert_config(quick)).to(device=device, dtype=dtype).eval()
-        comera_convert.convert(model, **kwargs)
+        comera_convert.convert(model, uncalibrated=True, **kwargs)
         models[name] = model
     rows = []
     for batch in (1, 32):
@@ -336,7 +336,7 @@ def convert_case(device: str, dtype, quick: bool, repeats: int) -> list[dict]:
 
         def convert_job():
             model = BertForMaskedLM.from_pretrained(source)
-            comera_convert.convert(model, ratio=4)
+            comera_convert.convert(model, ratio=4, uncalibrated=True)
             save_compressed(model, Path(tmp) / "tt4", overwrite=True, replace_dir=True)
 
         baseline = median_seconds(load_and_save, repeats, warmup=1)

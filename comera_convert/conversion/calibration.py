@@ -144,6 +144,13 @@ def calibrate(model: nn.Module, tokenizer, data: str = DEFAULT_CALIBRATION,
     return stats
 
 
+def calibrate_as_planned(model: nn.Module, tokenizer, options) -> Calibration:
+    """``calibrate`` on the text, sequences and modules a conversion's plan (``ConvertPlan``) names: what a
+    model converted in memory is weighted by, from the Python API and the CLI alike."""
+    return calibrate(model, tokenizer, options.calibration, options.calibration_sequences,
+                     options.calibration_seq_len, options.targets, options.exclude, options.d)
+
+
 @dataclass
 class CalibrationPlan:
     """What a calibration reads: the batches of token ids, and the text's token counts for the input

@@ -161,7 +161,8 @@ def swap_in(model: nn.Module, candidates, specs, options: ConvertPlan, calibrati
             continue
         if candidate.name in waiting:
             up, up_spec = waiting.pop(candidate.name)
-            kept = kept_neurons(up, up_spec, candidate, spec, kept_multiple(options.rank_multiple, options.dtype))
+            multiple = kept_multiple(options.rank_multiple, options.dtype, options.group_size)
+            kept = kept_neurons(up, up_spec, candidate, spec, multiple)
             for old, new in zip((up, candidate), prune_pair(up.module, candidate.module, kept, candidate.name,
                                                             calibration)):
                 _round_for_storage(new, options, old.name)

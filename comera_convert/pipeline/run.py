@@ -47,14 +47,14 @@ def convert_checkpoint(model_name: str, out, request: ConvertRequest, *, task=No
     then block by block compensate, factorize, reconstruct, round and spool, then assemble the checkpoint in
     ``out``. Where the source cannot stream it is loaded whole and converted in memory (the notes say why).
 
-    ``default_calibration``: the data to calibrate on when ``options`` names none (`comera convert`
-    passes ``english``); a model without a tokenizer then converts by plain TT-SVD, as the
-    result's ``notes`` say. Data named in ``options`` needs the tokenizer. ``command``: the command
-    line that requested it, recorded in the report and the model card. ``task`` picks the head
-    (``TASK_CLASSES``); by default the recorded architecture, or the encoder alone (AutoModel) for a
-    sentence-transformers folder, as sentence-transformers loads it. ``progress`` hears of each
-    stage (loading, calibrating, each module converted, saving). ``max_shard_size`` splits the
-    weights into shards of at most that size with an index, as ``save_pretrained`` does."""
+    ``default_calibration``: the data to calibrate on when ``options`` names none (`comera convert` and
+    ``comera_convert.convert_checkpoint`` pass ``DEFAULT_CALIBRATION``), as the result's ``notes`` say; a model
+    without a tokenizer then converts by plain TT-SVD, as the notes say too. Data named in ``options`` needs
+    the tokenizer. ``command``: the command line that requested it, recorded in the report and the model card.
+    ``task`` picks the head (``TASK_CLASSES``); by default the recorded architecture, or the encoder alone
+    (AutoModel) for a sentence-transformers folder, as sentence-transformers loads it. ``progress`` hears of
+    each stage (loading, calibrating, each module converted, saving). ``max_shard_size`` splits the weights
+    into shards of at most that size with an index, as ``save_pretrained`` does."""
     out = check_output_dir(out, overwrite)  # fail before the slow part
     path, task, notes = _checked_source(model_name, task)
     request, tokenizer = _with_default_calibration(model_name, path, request, default_calibration, notes)
@@ -95,6 +95,8 @@ def _with_default_calibration(model_name: str, path: str, request: ConvertReques
         notes.append(f"{model_name} has no tokenizer files, so it was converted without calibration "
                      f"(plain TT-SVD); copy its tokenizer in for a data-aware conversion")
         return request, None
+    notes.append(f"calibrated on {default}, the default text (--no-calibration, or default_calibration=None in "
+                 f"Python, converts by plain TT-SVD)")
     return dataclasses.replace(request, calibration=default), tokenizer
 
 

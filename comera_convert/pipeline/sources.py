@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..conversion import Calibration, ConvertPlan, ConvertRequest, calibrate, plan
-from ..conversion.calibration import plan_calibration
+from ..conversion import Calibration, ConvertPlan, ConvertRequest, plan
+from ..conversion.calibration import calibrate_as_planned, plan_calibration
 from ..conversion.storage import cast_for_storage, integer_storage
 from ..conversion.targets import find_blocks, find_candidates
 from ..hf.saving import weight_bytes
@@ -46,8 +46,7 @@ class WholeSource:
         ``on_block`` hears of each block closing, where the calibration runs block by block."""
         progress(f"calibrating on {options.calibration}")
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.path, "--calibration")
-        return calibrate(self.model, tokenizer, options.calibration, options.calibration_sequences,
-                         options.calibration_seq_len, options.targets, options.exclude, options.d)
+        return calibrate_as_planned(self.model, tokenizer, options)
 
     def open_spool(self, out, options: ConvertPlan) -> None:
         """Before the first module is converted: where converted modules are written as they come."""

@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 
 import comera_convert
-from comera_convert.conversion.calibration import DEFAULT_CALIBRATION  # what `comera convert` calibrates on
 from comera_convert.recipes import convert_options, train_options
 
 
@@ -39,8 +38,7 @@ def main() -> None:
     options = convert_options(None, {"ratio": args.ratio, "rank_multiple": 8,  # bf16 tensor cores run tiles of 8
                                      "calibration_sequences": args.calibration_sequences,
                                      "device": "cuda" if gpu else None})
-    comera_convert.convert_checkpoint(args.model, work / "converted", options, overwrite=True,
-                                      default_calibration=DEFAULT_CALIBRATION)
+    comera_convert.convert_checkpoint(args.model, work / "converted", options, overwrite=True)
     training = train_options(None, {"objective": "mlm", "data": args.data, "steps": args.steps,
                                     "batch_size": args.batch_size, "seq_len": args.seq_len, "rank_multiple": 8,
                                     "target_ratio": args.target_ratio, "compile": gpu,

@@ -15,7 +15,6 @@ import tempfile
 from pathlib import Path
 
 import comera_convert
-from comera_convert.conversion.calibration import DEFAULT_CALIBRATION  # what `comera convert` calibrates on
 from comera_convert.recipes import convert_options, train_options
 
 
@@ -32,8 +31,7 @@ def main() -> None:
     work = args.out or Path(tempfile.mkdtemp(prefix="target-"))
 
     options = convert_options(None, {"ratio": args.ratio, "calibration_sequences": args.calibration_sequences})
-    comera_convert.convert_checkpoint(args.model, work / "converted", options, overwrite=True,
-                                      default_calibration=DEFAULT_CALIBRATION)
+    comera_convert.convert_checkpoint(args.model, work / "converted", options, overwrite=True)
     overrides = {"target_ratio": args.target_ratio, "minutes": args.minutes, "steps": args.steps,
                  "early_steps": max(1, args.steps // 20) if args.steps else None}  # the switch at 5 % of a capped run
     result = comera_convert.train(str(work / "converted"), train_options("train-minilm-to-target", overrides),

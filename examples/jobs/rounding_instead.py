@@ -12,7 +12,6 @@ import tempfile
 from pathlib import Path
 
 import comera_convert
-from comera_convert.conversion.calibration import DEFAULT_CALIBRATION  # what `comera convert` calibrates on
 from comera_convert.recipes import convert_options
 
 
@@ -27,8 +26,7 @@ def main() -> None:
     work = args.out or Path(tempfile.mkdtemp(prefix="rounding-"))
 
     options = convert_options(None, {"ratio": args.ratio, "calibration_sequences": args.calibration_sequences})
-    comera_convert.convert_checkpoint(args.model, work / "converted", options, overwrite=True,
-                                      default_calibration=DEFAULT_CALIBRATION)
+    comera_convert.convert_checkpoint(args.model, work / "converted", options, overwrite=True)
     metrics = comera_convert.evaluate(str(work / "converted"), texts=args.texts, baselines=True)
     scored = {"comera --ratio " + f"{args.ratio:g}": metrics["domains"], **metrics["baselines"]}
     for name, domains in scored.items():

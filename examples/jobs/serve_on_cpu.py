@@ -17,7 +17,6 @@ import torch
 from sentence_transformers import SentenceTransformer
 
 import comera_convert
-from comera_convert.conversion.calibration import DEFAULT_CALIBRATION  # what `comera convert` calibrates on
 from comera_convert.models import resolve
 from comera_convert.recipes import convert_options, train_options
 
@@ -38,8 +37,7 @@ def main() -> None:
 
     converted = work / "converted"
     options = convert_options(None, {"ratio": args.ratio, "calibration_sequences": args.calibration_sequences})
-    comera_convert.convert_checkpoint(args.model, converted, options, overwrite=True,
-                                      default_calibration=DEFAULT_CALIBRATION)
+    comera_convert.convert_checkpoint(args.model, converted, options, overwrite=True)
     served = converted
     if args.minutes > 0:
         served = work / "trained"

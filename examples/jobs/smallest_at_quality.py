@@ -13,7 +13,6 @@ import tempfile
 from pathlib import Path
 
 import comera_convert
-from comera_convert.conversion.calibration import DEFAULT_CALIBRATION  # what `comera convert` calibrates on
 from comera_convert.frontier import size_frontier
 from comera_convert.recipes import convert_options
 
@@ -36,8 +35,7 @@ def main() -> None:
     paths = []
     for name, chosen in CANDIDATES.items():
         options = convert_options(None, {**chosen, "calibration_sequences": args.calibration_sequences})
-        comera_convert.convert_checkpoint(args.model, work / name, options, overwrite=True,
-                                          default_calibration=DEFAULT_CALIBRATION)
+        comera_convert.convert_checkpoint(args.model, work / name, options, overwrite=True)
         paths.append(str(work / name))
     frontier = size_frontier(paths, pairs=args.pairs, texts=args.texts, peers=not args.no_peers)
     for point in frontier["points"]:  # largest first
