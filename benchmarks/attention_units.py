@@ -203,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--texts", type=int, default=400, help="pairs a domain at most")
     parser.add_argument("--heldout", type=Path, default=Path("/tmp/heldout"))
     args = parser.parse_args(argv)
+    records.exit_unless_committed()  # the record's commit must reproduce it
     torch.manual_seed(0)
     path = resolve(args.model)
     tokenizer = load_tokenizer(path, "scoring")

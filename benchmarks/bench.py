@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--title", default=None)
     parser.add_argument("--results", type=Path, default=records.RESULTS, help="where the record is written")
     args = parser.parse_args(argv[:split])
+    records.exit_unless_committed()  # the record's commit must reproduce it
     bench_args = argv[split + 1:]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"

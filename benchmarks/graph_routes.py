@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--results", type=Path, default=records.RESULTS, help="where the record is written")
     args = parser.parse_args(argv)
+    records.exit_unless_committed()  # the record's commit must reproduce it
 
     compared = load_compared(args.checkpoint, None, "graph_routes.py")
     documents = [document for _, document in read_pairs(args.pairs, args.texts)]

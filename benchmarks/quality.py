@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-peers", action="store_true", help="score the checkpoints alone")
     parser.add_argument("--work", type=Path, default=Path("bench-work"), help="checkpoints and pairs go here")
     args = parser.parse_args(argv)
+    records.exit_unless_committed()  # the record's commit must reproduce it
 
     args.work.mkdir(parents=True, exist_ok=True)
     pairs = held_out_pairs(args.work / "pairs")

@@ -16,8 +16,11 @@ A record says what was run and where, and holds the figures:
     }
 
 A cell is a string, a number, null (nothing measured) or ``{"value": x, "error": e}`` (a figure and
-its standard error). ``source`` (optional) says where figures measured before the record format came
-from (the git commit of the measurement log they were copied from). ``render.py`` turns records into
+its standard error). ``commit`` names the checkout the figures were measured on; a new record is made
+only on a committed tree, so that the commit reproduces it ("+changes" marks older records measured
+with uncommitted changes). A record copied from the measurement log that came before the record format
+has ``source`` instead, naming the commit of that log. ``render.py --check`` refuses a record with
+neither, and one naming a commit this repository's history lacks. ``render.py`` turns records into
 the tables of BENCHMARKS.md, README.md and docs/findings.md.
 """
 
@@ -27,6 +30,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -38,6 +42,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 REQUIRED = {"name": str, "title": str, "command": str, "machine": dict, "versions": dict, "date": str,
             "columns": list, "rows": list}
 REQUIRED_MACHINE = ("cpu", "cores")
+COMMIT = re.compile(r"^[0-9a-f]{7,40}(\+changes)?$")
+COPIED_AT = re.compile(r"\bat commit ([0-9a-f]{7,40})\b")  # in ``source``: the measurement log's commit
 REQUIRED_VERSIONS = ("torch", "transformers")
 
 
@@ -85,6 +91,46 @@ def commit() -> str | None:
     return head + ("+changes" if dirty else "")
 
 
+def require_committed_tree() -> str:
+    """The checkout's commit, or a RecordError where the tree has uncommitted changes (or is not a git
+    checkout): a record's commit must reproduce it. Scripts call it before measuring."""
+    found = commit()
+    if found is None or found.endswith("+changes"):
+        raise RecordError("a record is measured on a committed tree, so that its commit reproduces it: commit "
+                          "or stash the changes first (git status lists them)")
+    return found
+
+
+def exit_unless_committed() -> None:
+    """Stop a measuring script in one line before it measures anything, where the tree has uncommitted changes."""
+    try:
+        require_committed_tree()
+    except RecordError as err:
+        sys.exit(f"error: {err}")
+
+
+def named_commits(record: dict) -> list[str]:
+    """The commits a record names: the checkout it was measured on, or the measurement log it was copied from."""
+    found = [record["commit"].removesuffix("+changes")] if record.get("commit") else []
+    return found + COPIED_AT.findall(record.get("source") or "")
+
+
+def check_history(record: dict, root: Path) -> None:
+    """Raise RecordError where ``record`` names a commit that ``root``'s git history lacks (nothing is checked
+    outside a git checkout or in a shallow clone, whose history is cut)."""
+    try:
+        shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=root, capture_output=True,
+                                 text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return
+    if shallow != "false":
+        return
+    for named in named_commits(record):
+        known = subprocess.run(["git", "cat-file", "-e", f"{named}^{{commit}}"], cwd=root, capture_output=True)
+        if known.returncode != 0:
+            raise RecordError(f"record {record['name']!r}: commit {named} is not in this repository's history")
+
+
 def cell(value: float | None, error: float | None = None) -> dict | float | None:
     """A figure with its standard error where one was measured."""
     if value is None or error is None or error != error:  # NaN: no error could be computed
@@ -100,9 +146,10 @@ def columns(*specs: tuple) -> list[dict]:
 
 def new_record(name: str, title: str, command: str, column_specs: list[tuple], rows: list[dict],
                notes: list[str] = ()) -> dict:
-    """A record of figures measured now, on this machine."""
+    """A record of figures measured now, on this machine, at this checkout's commit (a tree with uncommitted
+    changes is refused)."""
     record = {"name": name, "title": title, "command": command, "machine": machine(), "versions": versions(),
-              "date": _dt.datetime.now().date().isoformat(), "commit": commit(),
+              "date": _dt.datetime.now().date().isoformat(), "commit": require_committed_tree(),
               "columns": columns(*column_specs), "rows": rows, "notes": list(notes)}
     validate(record, name)
     return record
@@ -145,6 +192,14 @@ def validate(record, name: str) -> None:
         missing = [field for field in fields if field not in record[part]]
         if missing:
             raise RecordError(f"record {name!r}: {part!r} has no {missing[0]!r}")
+    if not record.get("commit") and not record.get("source"):
+        raise RecordError(f"record {name!r} has neither 'commit' (the checkout it was measured on) nor 'source' "
+                          f"(the measurement log it was copied from)")
+    if record.get("commit") is not None and not COMMIT.match(str(record["commit"])):
+        raise RecordError(f"record {name!r}: 'commit' should be a git commit hash, got {record['commit']!r}")
+    if record.get("source") and not record.get("commit") and not COPIED_AT.search(record["source"]):
+        raise RecordError(f"record {name!r}: 'source' should name the commit it was copied at ('... at commit "
+                          f"abc1234'), got {record['source']!r}")
     try:
         _dt.date.fromisoformat(record["date"])
     except ValueError:

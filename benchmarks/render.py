@@ -10,10 +10,11 @@ A table is a block between two markers; the first names its record and may pick 
     ...
     <!-- /record -->
 
-Under each table the block states the record's machine, date, versions and the command that
-reproduces it. A table of figures outside such a block (in BENCHMARKS.md and docs/findings.md any
-table; in README.md and the other docs a table with a decimal figure) fails the check: every
-published figure comes from a record.
+Under each table the block states the record's machine, date, versions, the command that
+reproduces it and the commit it was measured on. A table of figures outside such a block (in
+BENCHMARKS.md and docs/findings.md any table; in README.md and the other docs a table with a decimal
+figure) fails the check: every published figure comes from a record. So does a record that names no
+commit, or one this repository's history lacks.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from record import RESULTS, RecordError, load  # noqa: E402
+from record import RESULTS, RecordError, check_history, load  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 START = re.compile(r"^<!-- record: (?P<spec>[^>]*?) -->$")
@@ -81,6 +82,9 @@ def caption(record: dict) -> str:
         where += f" ({', '.join(features)})"
     text = (f"*{record['date']}, {where}, torch {versions['torch']}, transformers {versions['transformers']}: "
             f"`{record['command']}`")
+    if record.get("commit"):
+        measured_at, _, changed = record["commit"].partition("+")
+        text += f"; commit {measured_at}" + (" with uncommitted changes" if changed else "")
     if record.get("source"):
         text += f"; {record['source']}"
     return text + f" (record `benchmarks/results/{record['name']}.json`).*"
@@ -174,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     results = args.root / "benchmarks" / "results"
     problems = []
     try:
+        for path in sorted(results.glob("*.json")):
+            check_history(load(path.stem, results), args.root)
         for path in documents(args.root):
             if not path.is_file():
                 continue

@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--results", type=Path, default=records.RESULTS, help="where the record is written")
     parser.add_argument("--work", type=Path, default=Path("bench-work"), help="checkpoints, pairs and peers go here")
     args = parser.parse_args(argv)
+    records.exit_unless_committed()  # the record's commit must reproduce it
 
     args.work.mkdir(parents=True, exist_ok=True)
     pairs, peers = pair_files(args.work), peer_graphs(args.model, args.work)

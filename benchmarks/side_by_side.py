@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--results", type=Path, default=records.RESULTS, help="where the record is written")
     parser.add_argument("--work", type=Path, default=Path("bench-work"), help="checkpoints and pairs go here")
     args = parser.parse_args(argv)
+    records.exit_unless_committed()  # the record's commit must reproduce it
 
     args.work.mkdir(parents=True, exist_ok=True)
     pairs = held_out_pairs(args.work / "pairs")

@@ -120,7 +120,39 @@ def test_cells_read_as_the_columns_say():
     assert render.format_cell("a | b") == "a \\| b"
 
 
-def test_a_new_record_states_this_machine_and_validates(tmp_path):
+def test_a_record_names_the_commit_it_was_measured_on_and_the_history_holds_it(tmp_path, capsys):
+    root = a_checkout(tmp_path)
+    path = root / "benchmarks" / "results" / "attention-units-minilm.json"
+    data = json.loads(path.read_text())
+    measured_at = data["commit"]
+    assert f"commit {measured_at}" in render.render_table(data, {})[-1]  # the caption names it
+    del data["commit"]
+    path.write_text(json.dumps(data))
+    assert render.main(["--check", "--root", str(root)]) == 2
+    assert capsys.readouterr().err == ("error: record 'attention-units-minilm' has neither 'commit' (the checkout "
+                                       "it was measured on) nor 'source' (the measurement log it was copied from)\n")
+    path.write_text(json.dumps({**data, "commit": "not a commit"}))
+    assert render.main(["--check", "--root", str(root)]) == 2
+    assert "'commit' should be a git commit hash, got 'not a commit'" in capsys.readouterr().err
+    unknown = {**data, "commit": "0123abc"}  # a well-formed hash that the history lacks
+    with pytest.raises(record.RecordError, match="commit 0123abc is not in this repository's history"):
+        record.check_history(unknown, REPO)
+    record.check_history({**data, "commit": measured_at}, REPO)
+    copied = {**data, "source": "copied from the measurement log (BENCHMARKS.md at commit 0123abd)"}
+    with pytest.raises(record.RecordError, match="commit 0123abd is not in this repository's history"):
+        record.check_history(copied, REPO)
+
+
+def test_a_new_record_is_refused_on_a_tree_with_uncommitted_changes(monkeypatch):
+    monkeypatch.setattr(record, "commit", lambda: "abc1234+changes")
+    with pytest.raises(record.RecordError, match="a record is measured on a committed tree"):
+        record.new_record("trial", "a trial", "python benchmarks/x.py", [("label", "model")], [{"label": "x"}])
+    with pytest.raises(SystemExit, match="^error: a record is measured on a committed tree"):
+        record.exit_unless_committed()
+
+
+def test_a_new_record_states_this_machine_and_validates(tmp_path, monkeypatch):
+    monkeypatch.setattr(record, "commit", lambda: "abc1234")  # as on a committed tree
     made = record.new_record("trial", "a trial", "python benchmarks/x.py",
                              [("label", "model"), ("kept", "kept", ".3f")],
                              [{"label": "--ratio 4", "kept": record.cell(0.9, 0.02)}])
