@@ -69,7 +69,7 @@ def convert(model: nn.Module, options: ConvertRequest | None = None, *, tokenize
 
 def _calibration_or_warning(model: nn.Module, planned, tokenizer, uncalibrated: bool) -> Calibration | None:
     """The statistics of the text ``planned`` names, read through ``tokenizer``; without a tokenizer, None,
-    and a one-line warning unless the caller asked for a plain conversion."""
+    and a one-line warning unless the caller wants a plain conversion (uncalibrated=True)."""
     if tokenizer is not None:
         if isinstance(tokenizer, (str, Path)):
             tokenizer = load_tokenizer(str(tokenizer), "tokenizer=")

@@ -24,7 +24,7 @@ from torch import nn
 from .integer import IntegerFormat, dequantize, quantize
 
 HQQ_FORMATS = ((4, 64), (3, 64), (2, 32))  # (bits, group size): HQQ's own defaults span these
-HQQ_MISSING = "HQQ peers skipped: pip install hqq"
+HQQ_MISSING = "HQQ peers skipped: pip install 'comera-convert[peers]'"
 
 
 @dataclass

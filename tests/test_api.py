@@ -150,7 +150,7 @@ def test_convert_in_memory_calibrates_with_a_tokenizer_and_warns_without_one(tmp
     assert [str(w.message) for w in caught] == [UNCALIBRATED_WARNING] and "\n" not in UNCALIBRATED_WARNING
     assert "calibration" not in plain.extra
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # asked for plainly: no warning
+        warnings.simplefilter("error")  # plain on purpose: no warning
         comera_convert.convert(BertForMaskedLM.from_pretrained(dense), ratio=3, uncalibrated=True)
     with pytest.raises(ConfigError, match="calibration='english' needs the model's tokenizer"):
         comera_convert.convert(BertForMaskedLM.from_pretrained(dense), ratio=3, calibration="english")

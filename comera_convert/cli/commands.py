@@ -172,8 +172,8 @@ def decompress(model, out, overwrite, max_shard_size):
 @click.option("--seq-len", type=int, default=128, show_default=True, help="Tokens per text (truncated).")
 @click.option("--baselines", is_flag=True,
               help="Also measure the peers on the same texts, with every model's bytes: the dense model in "
-                   "bfloat16, rounded to int8 and by HQQ to 4, 3 and 2 bits (pip install hqq), and Model2Vec "
-                   "distilled from it in the compressed model's bytes (model2vec[distill]).")
+                   "bfloat16, rounded to int8 and by HQQ to 4, 3 and 2 bits, and Model2Vec distilled from it in the "
+                   "compressed model's bytes (pip install 'comera-convert[peers]' for HQQ and Model2Vec).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True), is_flag=False, flag_value="-",
               default=None, help="Write the metrics as JSON to this file; alone, print them instead of tables.")
 @click.option("--dense", "dense_patterns", default=None, metavar="PATTERNS",

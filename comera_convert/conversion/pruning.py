@@ -88,7 +88,7 @@ def _other_end(name: str, end: str, other_end: str) -> str | None:
 
 def kept_multiple(rank_multiple: int, dtype: str | None, group_size: int | None = None) -> int:
     """What a pruned pair's kept neurons are a multiple of: the conversion's rank multiple, and under
-    integer storage the group size asked for (each of down's rows splits into whole groups), or
+    integer storage the group size given (each of down's rows splits into whole groups), or
     INT4_KEPT_MULTIPLE under int4 storage with the group size left to the rounding."""
     if dtype in ("int4", "int8") and group_size is not None:
         return math.lcm(rank_multiple, group_size)
