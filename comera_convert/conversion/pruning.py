@@ -134,10 +134,11 @@ def prune_pair(up: nn.Linear, down: nn.Linear, kept: int, down_name: str,
     covariance = gram - rows * torch.outer(mean_seen, mean_seen)
     covariance.diagonal().add_(REFIT_RIDGE * float(covariance.diagonal().mean()))
     target = (cross - rows * torch.outer(mean_seen, mean_dense)) @ weight.T  # (hidden, out)
-    # The selection in float32 (it only ranks neurons; in float64 it took about twice as long at 3072
-    # wide), the refit of the survivors in float64.
-    inverse = _inverse(covariance.float())
-    keep = surviving_neurons(inverse, inverse @ target.float(), kept)
+    # The selection in float64, as the refit: in float32 its rounding (which the thread count and the
+    # CPU's kernels change) decided between neurons of near-equal saliency, so the same conversion kept
+    # other neurons on another machine. Float64 takes about twice as long (seconds at 3072 wide).
+    inverse = _inverse(covariance)
+    keep = surviving_neurons(inverse, inverse @ target, kept)
     refit = torch.linalg.solve(covariance[keep][:, keep], target[keep])  # (kept, out)
     bias = weight @ mean_dense - refit.T @ mean_seen[keep] + down.bias.detach().double().cpu()
     new_up = PrunedLinear(up.in_features, kept, bias=up.bias is not None, pruned="out",
@@ -158,7 +159,7 @@ def surviving_neurons(inverse: torch.Tensor, fit: torch.Tensor, kept: int) -> to
     for the least-squares ``fit`` (hidden x out) under the activations' covariance C, given as its
     ``inverse`` (Optimal Brain Surgeon's saliency, by neuron, as structured OBS pruners such as ZipLM
     rank them). The fit and C^-1 are updated after each group, in place, and cut to the survivors:
-    REMOVAL_GROUPS groups, so that a 3072-wide pair costs about a second.
+    REMOVAL_GROUPS groups, so that a 3072-wide pair costs seconds, not minutes.
     Energy alone (E[h_j^2] ||down_j||^2) would keep two neurons that fire alike where one suffices."""
     inverse, fit = inverse.clone(), fit.clone()
     survivors = torch.arange(len(fit))  # their indices in the layer, in the order of inverse's rows
