@@ -27,6 +27,7 @@ the tables of BENCHMARKS.md, README.md and docs/findings.md.
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import json
 import os
 import platform
@@ -115,15 +116,21 @@ def named_commits(record: dict) -> list[str]:
     return found + COPIED_AT.findall(record.get("source") or "")
 
 
-def check_history(record: dict, root: Path) -> None:
-    """Raise RecordError where ``record`` names a commit that ``root``'s git history lacks (nothing is checked
-    outside a git checkout or in a shallow clone, whose history is cut)."""
+@functools.cache
+def has_full_history(root: Path) -> bool:
+    """Whether ``root`` is a git checkout with its whole history (not a shallow clone); read once per root."""
     try:
         shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=root, capture_output=True,
                                  text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return
-    if shallow != "false":
+        return False
+    return shallow == "false"
+
+
+def check_history(record: dict, root: Path) -> None:
+    """Raise RecordError where ``record`` names a commit that ``root``'s git history lacks (nothing is checked
+    outside a git checkout or in a shallow clone, whose history is cut)."""
+    if not has_full_history(root):
         return
     for named in named_commits(record):
         known = subprocess.run(["git", "cat-file", "-e", f"{named}^{{commit}}"], cwd=root, capture_output=True)

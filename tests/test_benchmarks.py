@@ -5,7 +5,6 @@ scripts turn what `comera frontier` and `comera bench` report into records."""
 import importlib.util
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -135,8 +134,7 @@ def test_a_record_names_the_commit_it_was_measured_on_and_the_history_holds_it(t
     path.write_text(json.dumps({**data, "commit": "not a commit"}))
     assert render.main(["--check", "--root", str(root)]) == 2
     assert "'commit' should be a git commit hash, got 'not a commit'" in capsys.readouterr().err
-    history = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=REPO, capture_output=True, text=True)
-    if history.returncode != 0 or history.stdout.strip() != "false":
+    if not record.has_full_history(REPO):
         pytest.skip("the history is checked in a full git clone only")
     unknown = {**data, "commit": "0123abc"}  # a well-formed hash that the history lacks
     with pytest.raises(record.RecordError, match="commit 0123abc is not in this repository's history"):

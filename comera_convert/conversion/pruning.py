@@ -25,6 +25,7 @@ import math
 import torch
 from torch import nn
 
+from ..choices import INTEGER_STORAGE
 from ..errors import ConfigError
 from ..layers.pruned_linear import PrunedLinear
 from ..tt.counting import num_params
@@ -90,7 +91,7 @@ def kept_multiple(rank_multiple: int, dtype: str | None, group_size: int | None 
     """What a pruned pair's kept neurons are a multiple of: the conversion's rank multiple, and under
     integer storage the group size given (each of down's rows splits into whole groups), or
     INT4_KEPT_MULTIPLE under int4 storage with the group size left to the rounding."""
-    if dtype in ("int4", "int8") and group_size is not None:
+    if dtype in INTEGER_STORAGE and group_size is not None:
         return math.lcm(rank_multiple, group_size)
     return math.lcm(rank_multiple, INT4_KEPT_MULTIPLE) if dtype == "int4" else rank_multiple
 
