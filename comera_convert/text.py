@@ -36,6 +36,7 @@ from typing import Iterator
 
 import torch
 
+from .token_cache import cache_path, read_ids, text_digest, write_ids
 from .errors import ConfigError, SourceError
 
 ENGLISH = "english"
@@ -355,7 +356,8 @@ def _check_encodable(source: str, unknown_share: float) -> None:
 
 # The built-in corpora are fixed text, so their training documents' token ids are kept for the two
 # tokenizers a process saw last (int32, tens of MB): a process that calibrates more than once (the
-# API converting several models, the test suite) tokenizes each corpus once, not every time.
+# API converting several models, the test suite) tokenizes each corpus once, not every time; and on
+# disk (token_cache.py), so that a later process reads them instead of tokenizing again.
 _KEPT_IDS: dict[tuple[str, str], list[torch.Tensor]] = {}
 KEPT_TOKENIZERS = 2
 
@@ -368,12 +370,23 @@ def training_token_ids(source: str, tokenizer) -> Iterator[list[int]]:
         yield from _token_ids(training, tokenizer)
         return
     if key not in _KEPT_IDS:
-        encoded = [torch.tensor(ids, dtype=torch.int32) for ids in _token_ids(training, tokenizer)]
+        encoded = _ids_kept_on_disk(source, key[1], tokenizer)
         while len(_KEPT_IDS) >= KEPT_TOKENIZERS:
             _KEPT_IDS.pop(next(iter(_KEPT_IDS)))  # the oldest
         _KEPT_IDS[key] = encoded
     for ids in _KEPT_IDS[key]:
         yield ids.tolist()
+
+
+def _ids_kept_on_disk(source: str, tokenizer_digest: str, tokenizer) -> list[torch.Tensor]:
+    """The training documents' ids from the disk cache (``token_cache``), tokenized and kept there
+    when absent."""
+    path = cache_path(source, text_digest(training_documents(source)), tokenizer_digest)
+    encoded = read_ids(path)
+    if encoded is None:
+        encoded = [torch.tensor(ids, dtype=torch.int32) for ids in _token_ids(training_documents(source), tokenizer)]
+        write_ids(path, encoded)
+    return encoded
 
 
 def _kept_key(source: str, tokenizer) -> tuple[str, str] | None:

@@ -1,9 +1,13 @@
 import logging
 import os
+import tempfile
 
 # Tests never reach the Hugging Face Hub: models come from configs or the packaged MiniLM.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The corpora's token ids are kept (token_cache.py) in one folder that every worker and every process
+# a test starts shares, outside the user's own cache; its files are named by what they hold.
+os.environ.setdefault("COMERA_CACHE", os.path.join(tempfile.gettempdir(), f"comera-test-cache-{os.getuid()}"))
 
 import pytest
 import torch

@@ -13,7 +13,7 @@ import comera_convert
 ROOT = Path(comera_convert.__file__).parent
 # Lowest first. A part may import its own layer and the layers below it.
 LAYERS = [
-    {"errors", "progress", "option_files", "choices", "machine"},
+    {"errors", "progress", "option_files", "choices", "machine", "token_cache"},
     {"tt", "codebook", "integer", "text", "request"},
     {"layers"},
     {"conversion"},
@@ -24,8 +24,8 @@ LAYERS = [
     {"api", "checkpoint_info", "recipes", "frontier"},
     {"bench", "cli", "__init__", "__main__"},
 ]
-WITHOUT_TRANSFORMERS = {"errors", "progress", "option_files", "choices", "machine", "tt", "codebook", "integer", "text",
-                        "layers", "conversion", "request"}
+WITHOUT_TRANSFORMERS = {"errors", "progress", "option_files", "choices", "machine", "token_cache", "tt", "codebook",
+                        "integer", "text", "layers", "conversion", "request"}
 
 
 def part_of(module: str) -> str:
