@@ -24,11 +24,16 @@ FORMAT = "1"  # part of every name: a change of layout reads none of the files w
 
 
 def cache_folder() -> Path:
-    """Where token ids are kept: ``$COMERA_CACHE``, else the XDG cache folder's ``comera_convert``."""
+    """Where token ids are kept: ``$COMERA_CACHE``, else the XDG cache folder's ``comera_convert``
+    (the temporary folder's where there is no home folder)."""
     if os.environ.get(CACHE_VARIABLE):
         return Path(os.environ[CACHE_VARIABLE]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "comera_convert"
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "comera_convert"
+    try:
+        return Path.home() / ".cache" / "comera_convert"
+    except RuntimeError:  # no home folder to find (a container's user without one)
+        return Path(tempfile.gettempdir()) / "comera_convert"
 
 
 def text_digest(texts: Iterable[str]) -> str:

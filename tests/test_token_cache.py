@@ -81,3 +81,13 @@ def test_the_cache_folder_follows_its_variable_then_xdg(monkeypatch, tmp_path):
     monkeypatch.delenv(token_cache.CACHE_VARIABLE)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert token_cache.cache_folder() == tmp_path / "xdg" / "comera_convert"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert token_cache.cache_folder() == tmp_path / "home" / ".cache" / "comera_convert"
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(token_cache.Path, "home", staticmethod(no_home))
+    monkeypatch.setattr(token_cache.tempfile, "gettempdir", lambda: str(tmp_path / "temporary"))
+    assert token_cache.cache_folder() == tmp_path / "temporary" / "comera_convert"
