@@ -36,8 +36,8 @@ from typing import Iterator
 
 import torch
 
-from .token_cache import cache_path, read_ids, text_digest, write_ids
 from .errors import ConfigError, SourceError
+from .token_cache import cache_path, read_ids, text_digest, write_ids
 
 ENGLISH = "english"
 PYTHON_STDLIB = "python-stdlib"
