@@ -196,9 +196,11 @@ def test_short_documents_run_on_into_one_block(tmp_path, tokenizer):
 
 def test_a_built_in_corpus_is_tokenized_once_per_tokenizer(tmp_path, tokenizer, monkeypatch):
     """The built-in corpora are fixed text: a second calibration read in the same process takes the
-    ids kept from the first, the same ids the tokenizer gives; files are read afresh every time."""
+    ids kept from the first, the same ids the tokenizer gives; files are read afresh every time. (The
+    disk cache starts empty: test_token_cache.py checks what it keeps between processes.)"""
     from comera_convert import text
 
+    monkeypatch.setenv("COMERA_CACHE", str(tmp_path / "cache"))
     corpus = [" ".join(f"word{i} and word{i + 1} in text number {i}" for _ in range(8)) for i in range(40)]
     monkeypatch.setattr(text, "_KEPT_IDS", {})
     monkeypatch.setattr(text, "documents", lambda source: iter(corpus))
