@@ -380,11 +380,13 @@ def training_token_ids(source: str, tokenizer) -> Iterator[list[int]]:
 
 def _ids_kept_on_disk(source: str, tokenizer_digest: str, tokenizer) -> list[torch.Tensor]:
     """The training documents' ids from the disk cache (``token_cache``), tokenized and kept there
-    when absent."""
-    path = cache_path(source, text_digest(training_documents(source)), tokenizer_digest)
+    when absent. The documents are read once: their digest names the file, and on a miss the same
+    texts are tokenized."""
+    texts = list(training_documents(source))
+    path = cache_path(source, text_digest(texts), tokenizer_digest)
     encoded = read_ids(path)
     if encoded is None:
-        encoded = [torch.tensor(ids, dtype=torch.int32) for ids in _token_ids(training_documents(source), tokenizer)]
+        encoded = [torch.tensor(ids, dtype=torch.int32) for ids in _token_ids(iter(texts), tokenizer)]
         write_ids(path, encoded)
     return encoded
 
