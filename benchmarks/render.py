@@ -11,16 +11,26 @@ A table is a block between two markers; the first names its record and may pick 
     <!-- /record -->
 
 Under each table the block states the record's machine, date, versions, the command that
-reproduces it and the commit it was measured on. A table of figures outside such a block (in
-BENCHMARKS.md and docs/findings.md any table; in README.md and the other docs a table with a decimal
-figure) fails the check: every published figure comes from a record. So does a record that names no
-commit, or one this repository's history lacks.
+reproduces it and the commit it was measured on. A figure in prose cites one cell of a record, and
+the renderer writes the cell between the two comments:
+
+    MiniLM at `--ratio 4` keeps <!-- value: quality-minilm label="--ratio 4" english.value -->0.916<!-- /value -->
+
+(``KEY=VALUE`` pairs pick the one row, the last word the column; ``.value`` or ``.error`` one part of a
+figure with its error). A table of figures outside a record block (in BENCHMARKS.md and
+docs/findings.md any table; in README.md and the other docs a table with a decimal figure) fails the
+check, and so does a figure in prose outside a value reference: a decimal with two places or more
+(0.93), a decimal with a unit (1.3x, 2.4 GiB, 5.2 s) or a whole number of bytes or seconds (12 s).
+Whole-number counts (4x, 30 minutes, 5 %), versions and anything written as code are not figures:
+a setting is written as code (`--ratio 4`, `0.05`). So is a record that names no commit, or one this
+repository's history lacks.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -33,6 +43,17 @@ END = "<!-- /record -->"
 # A measured figure in a table: a share or a time with two or more decimals (0.93), or a speed-up
 # with decimals (2.13x); versions (2.14.1, <2.15) and constants with one decimal (0.3) are not.
 FIGURE = re.compile(r"(?<![\w.<>=~])\d+\.\d{2,}(?![\d.])|(?<![\w.])\d+\.\d+x\b")
+VALUE = re.compile(r"<!-- value: (?P<spec>[^>]*?) -->(?P<shown>.*?)<!-- /value -->")
+# A measured figure in prose: besides FIGURE's, a decimal with any unit and a whole number of bytes or
+# seconds. Whole numbers before x, % or minutes are counts and settings (`--ratio 4` is 4x).
+UNIT = (r"(?:x\b|×|%|times\b|percent\b|points\b|tokens\b|GHz\b|[KMGT]i?B\b|kB\b|ms\b|s\b|seconds\b|min\b"
+        r"|minutes\b|hours?\b|sentences/s\b|tokens/s\b)")
+PROSE_FIGURE = re.compile(rf"(?<![\w.<>=~/#-])(?:\d+\.\d+\s?{UNIT}|\d+\.\d{{2,}}(?![\d.])"
+                          rf"|\d+\s?(?:[KMGT]i?B\b|kB\b|ms\b|s\b|seconds\b|sentences/s\b|tokens/s\b))")
+# What prose holds that is no figure: code, comments, link targets, tags, addresses and versions.
+NOT_PROSE = re.compile(r"`[^`]*`|<!--.*?-->|\]\([^)]*\)|<[^>]*>|https?://\S+"
+                       r"|\b(?:[Pp]ython|torch|transformers|onnxruntime|OpenVINO|openvino|optimum[-\w]*|NNCF|nncf"
+                       r"|sentence-transformers|tensorly|numpy|safetensors|hqq)\s+v?\d+(?:\.\d+)+")
 
 
 def documents(root: Path = ROOT) -> list[Path]:
@@ -90,6 +111,54 @@ def caption(record: dict) -> str:
     return text + f" (record `benchmarks/results/{record['name']}.json`).*"
 
 
+def parse_value_spec(spec: str, where: str) -> tuple[str, dict, str]:
+    """``NAME KEY=VALUE ... COLUMN`` -> (NAME, the row's {KEY: VALUE}, COLUMN); values may be quoted."""
+    try:
+        name, *words = shlex.split(spec)
+    except ValueError as err:
+        raise RecordError(f"{where}: cannot read the value reference {spec!r} ({err})") from None
+    if not words or "=" in words[-1]:
+        raise RecordError(f"{where}: the value reference {spec!r} names no column (expected NAME KEY=VALUE COLUMN)")
+    selector = dict(word.split("=", 1) for word in words[:-1] if "=" in word)
+    if len(selector) != len(words) - 1:
+        raise RecordError(f"{where}: the value reference {spec!r} should pick its row with KEY=VALUE pairs")
+    return name, selector, words[-1]
+
+
+def render_value(record: dict, selector: dict, column: str) -> str:
+    """The one cell of ``record`` that ``selector`` and ``column`` pick, as its table shows it."""
+    name = record["name"]
+    key, _, part = column.partition(".")
+    by_key = {each["key"]: each for each in record["columns"]}
+    if key not in by_key or part not in ("", "value", "error"):
+        raise RecordError(f"record {name!r} has no column {column!r} (it has {', '.join(by_key)})")
+    rows = [row for row in record["rows"] if all(str(row.get(k)) == v for k, v in selector.items())]
+    if len(rows) != 1:
+        wanted = " ".join(f"{k}={v!r}" for k, v in selector.items())
+        raise RecordError(f"record {name!r} has {len(rows)} rows with {wanted or 'no selector'} (a value cites one)")
+    cell = rows[0].get(key)
+    if part and isinstance(cell, dict):
+        cell = cell[part]
+    elif part == "error":
+        raise RecordError(f"record {name!r}: {key!r} has no error in the row picked")
+    return format_cell(cell, by_key[key].get("format"))
+
+
+def render_values(line: str, where: str, results: Path, changed: list[str]) -> str:
+    """``line`` with each value reference's cell written afresh from its record."""
+    def written(match: re.Match) -> str:
+        name, selector, column = parse_value_spec(match.group("spec"), where)
+        try:
+            shown = render_value(load(name, results), selector, column)
+        except RecordError as err:
+            raise RecordError(f"{where}: {err}") from None
+        if shown != match.group("shown") and name not in changed:
+            changed.append(name)
+        return f"<!-- value: {match.group('spec')} -->{shown}<!-- /value -->"
+
+    return VALUE.sub(written, line)
+
+
 def render_table(record: dict, options: dict) -> list[str]:
     """The Markdown lines of ``record``'s table with the columns and rows ``options`` pick."""
     name = record["name"]
@@ -126,11 +195,11 @@ def render_document(path: Path, results: Path = RESULTS) -> tuple[str, list[str]
     while index < len(lines):
         line = lines[index]
         match = START.match(line)
+        where = f"{path.name} line {index + 1}"
         if not match:
-            out.append(line)
+            out.append(render_values(line, where, results, changed))
             index += 1
             continue
-        where = f"{path.name} line {index + 1}"
         end = next((i for i in range(index + 1, len(lines)) if lines[i] == END), None)
         if end is None:
             raise RecordError(f"{where}: the record block has no closing {END}")
@@ -170,6 +239,24 @@ def tables_outside_records(path: Path, text: str) -> list[str]:
     return problems
 
 
+def figures_outside_records(path: Path, text: str) -> list[str]:
+    """Where ``text``'s prose states a figure that neither a record block nor a value reference writes."""
+    problems, inside, fenced = [], False, False
+    for number, line in enumerate(text.split("\n"), start=1):
+        if START.match(line) or line == END:
+            inside = line != END
+            continue
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        if inside or fenced or line.startswith("|"):  # tables are tables_outside_records' to check
+            continue
+        for match in PROSE_FIGURE.finditer(NOT_PROSE.sub(" ", VALUE.sub(" ", line))):
+            problems.append(f"{path.name} line {number}: the figure {match.group(0).strip()!r} is in no record "
+                            f"(cite it with <!-- value: RECORD KEY=VALUE COLUMN -->, or write a setting as code)")
+    return problems
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 when a table differs")
@@ -185,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             text = path.read_text()
             rendered, changed = render_document(path, results)
-            problems += tables_outside_records(path, rendered)
+            problems += tables_outside_records(path, rendered) + figures_outside_records(path, rendered)
             if rendered == text:
                 continue
             if args.check:

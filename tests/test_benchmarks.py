@@ -90,6 +90,50 @@ def test_a_table_with_no_record_behind_it_fails_naming_the_line(tmp_path, capsys
     assert render.main(["--check", "--root", str(root)]) == 0  # the README may hold tables without figures
 
 
+def test_a_figure_in_prose_without_a_record_fails_naming_its_line(tmp_path, capsys):
+    root = a_checkout(tmp_path)
+    text = (root / "docs" / "speed.md").read_text()
+    line = len(text.split("\n")) + 1
+    for figure in ("0.93", "1.4x", "2.5 GiB", "12 s"):
+        (root / "docs" / "speed.md").write_text(text + f"\nThe route keeps {figure} here.\n")
+        assert render.main(["--check", "--root", str(root)]) == 1
+        error = capsys.readouterr().err
+        assert error.startswith(f"error: speed.md line {line}: the figure {figure!r} is in no record"), error
+    # settings as code, whole-number counts and versions are not figures
+    (root / "docs" / "speed.md").write_text(text + "\nRun `--ratio 2.5` for 30 minutes at 4x with torch 2.13.0 "
+                                            "and transformers 5.19, over 5 % of the stage.\n")
+    assert render.main(["--check", "--root", str(root)]) == 0, capsys.readouterr().err
+
+
+def test_a_value_reference_shows_its_record_cell_and_fails_the_check_when_it_differs(tmp_path, capsys):
+    root = a_checkout(tmp_path)
+    reference = "<!-- value: quality-minilm label='--ratio 4' english -->{}<!-- /value -->"
+    text = (root / "docs" / "speed.md").read_text()
+    (root / "docs" / "speed.md").write_text(text + "\nIt keeps " + reference.format("0.5") + " of it.\n")
+    assert render.main(["--check", "--root", str(root)]) == 1
+    assert "the table of record 'quality-minilm' differs from the record" in capsys.readouterr().err
+    assert render.main(["--root", str(root)]) == 0
+    kept = record.load("quality-minilm")["rows"]
+    cell = next(row["english"] for row in kept if row["label"] == "--ratio 4")
+    shown = render.format_cell(cell, ".3f")
+    assert reference.format(shown) in (root / "docs" / "speed.md").read_text()
+    assert render.main(["--check", "--root", str(root)]) == 0
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("quality-minilm label='--ratio 99' english", "record 'quality-minilm' has 0 rows with label='--ratio 99'"),
+    ("quality-minilm english", "rows with no selector (a value cites one)"),
+    ("quality-minilm label='--ratio 4' speed", "record 'quality-minilm' has no column 'speed'"),
+    ("quality-minilm label='--ratio 4'", "names no column"),
+])
+def test_a_value_reference_that_picks_no_single_cell_is_one_line(tmp_path, capsys, spec, message):
+    root = a_checkout(tmp_path)
+    (root / "docs" / "extra.md").write_text(f"A <!-- value: {spec} -->0.9<!-- /value --> share.\n")
+    assert render.main(["--check", "--root", str(root)]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: extra.md line 1: ") and message in error and error.count("\n") == 1, error
+
+
 def test_a_block_naming_a_missing_record_or_column_is_refused(tmp_path, capsys):
     root = a_checkout(tmp_path)
     (root / "docs" / "extra.md").write_text("<!-- record: no-such-record -->\n<!-- /record -->\n")
