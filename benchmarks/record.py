@@ -15,13 +15,15 @@ A record says what was run and where, and holds the figures:
       "notes": ["..."]                                # optional: what a reader must know
     }
 
-A cell is a string, a number, null (nothing measured) or ``{"value": x, "error": e}`` (a figure and
-its standard error). ``commit`` names the checkout the figures were measured on; a new record is made
-only on a committed tree, so that the commit reproduces it ("+changes" marks older records measured
-with uncommitted changes). A record copied from the measurement log that came before the record format
-has ``source`` instead, naming the commit of that log. ``render.py --check`` refuses a record with
-neither, and one naming a commit this repository's history lacks. ``render.py`` turns records into
-the tables of BENCHMARKS.md, README.md and docs/findings.md.
+A cell is a string, a number, null (nothing measured), ``{"value": x, "error": e}`` (a figure and its
+standard error) or ``{"value": mean, "error": sd, "runs": [x1, x2, x3]}`` (a figure measured in repeated
+runs, their mean and standard deviation: ``runs_cell``; prose may call one route level with or ahead of
+another only from such cells, three runs or more of each). ``commit`` names the checkout the figures
+were measured on; a new record is made only on a committed tree, so that the commit reproduces it
+("+changes" marks older records measured with uncommitted changes). A record copied from the measurement
+log that came before the record format has ``source`` instead, naming the commit of that log.
+``render.py --check`` refuses a record with neither, and one naming a commit this repository's history
+lacks. ``render.py`` turns records into the tables of BENCHMARKS.md, README.md and docs/findings.md.
 """
 
 from __future__ import annotations
@@ -145,6 +147,15 @@ def cell(value: float | None, error: float | None = None) -> dict | float | None
     return {"value": value, "error": error}
 
 
+def runs_cell(values: list[float]) -> dict:
+    """A figure measured in repeated runs: their mean and standard deviation, and every run's value (a
+    claim that one route is level with or ahead of another rests on three runs or more of each)."""
+    values = [float(value) for value in values]
+    mean = sum(values) / len(values)
+    spread = (sum((value - mean) ** 2 for value in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
+    return {"value": round(mean, 6), "error": round(spread, 6), "runs": values}
+
+
 def columns(*specs: tuple) -> list[dict]:
     """Column definitions from ``(key, header)`` or ``(key, header, format)`` tuples; the format is
     Python's (``.3f``) and applies to numbers and their errors."""
@@ -230,8 +241,11 @@ def validate(record, name: str) -> None:
 def _check_cell(value, name: str, index: int, key: str) -> None:
     if value is None or isinstance(value, (str, int, float)):
         return
-    if isinstance(value, dict) and set(value) == {"value", "error"} and all(
-            isinstance(value[part], (int, float)) for part in value):
+    numbers = isinstance(value, dict) and all(isinstance(value.get(part), (int, float)) for part in ("value", "error"))
+    if numbers and set(value) == {"value", "error"}:
         return
-    raise RecordError(f"record {name!r}: row {index + 1}, {key!r} should be a string, a number, null or "
-                      f"{{\"value\": x, \"error\": e}}, got {value!r}")
+    if numbers and set(value) == {"value", "error", "runs"} and isinstance(value["runs"], list) and all(
+            isinstance(run, (int, float)) for run in value["runs"]) and value == runs_cell(value["runs"]):
+        return  # the mean and standard deviation are those of the runs
+    raise RecordError(f"record {name!r}: row {index + 1}, {key!r} should be a string, a number, null, "
+                      f"{{\"value\": x, \"error\": e}} or runs_cell([x1, x2, ...]), got {value!r}")

@@ -22,8 +22,14 @@ docs/findings.md any table; in README.md and the other docs a table with a decim
 check, and so does a figure in prose outside a value reference: a decimal with two places or more
 (0.93), a decimal with a unit (1.3x, 2.4 GiB, 5.2 s) or a whole number of bytes or seconds (12 s).
 Whole-number counts (4x, 30 minutes, 5 %), versions and anything written as code are not figures:
-a setting is written as code (`--ratio 4`, `0.05`). So is a record that names no commit, or one this
-repository's history lacks.
+a setting is written as code (`--ratio 4`, `0.05`). Words that rank two routes ("level with", "ahead
+of", "beyond the peer") come from a comparison of cells measured in three runs or more of each route
+(``record.runs_cell``); the renderer writes "level with" where their means ± standard deviations
+overlap, else "ahead of" or "behind":
+
+    route a runs <!-- compare: NAME route=a speed vs route=b speed -->level with<!-- /compare --> route b
+
+The check also fails on a record that names no commit, or one this repository's history lacks.
 """
 
 from __future__ import annotations
@@ -44,6 +50,12 @@ END = "<!-- /record -->"
 # with decimals (2.13x); versions (2.14.1, <2.15) and constants with one decimal (0.3) are not.
 FIGURE = re.compile(r"(?<![\w.<>=~])\d+\.\d{2,}(?![\d.])|(?<![\w.])\d+\.\d+x\b")
 VALUE = re.compile(r"<!-- value: (?P<spec>[^>]*?) -->(?P<shown>.*?)<!-- /value -->")
+COMPARE = re.compile(r"<!-- compare: (?P<spec>[^>]*?) -->(?P<shown>.*?)<!-- /compare -->")
+# Words that rank two routes: prose uses them only inside a comparison reference, which derives the word
+# from three runs or more of each (COMPARE).
+CLAIM = re.compile(r"\b(?:level\s+with|(?:draws?|drew|runs?|ran|ends?|ended|stays?|stayed)\s+level|ahead\s+of"
+                   r"|beyond\s+the\s+peer)\b", re.IGNORECASE)
+RUNS_NEEDED = 3
 # A measured figure in prose: besides FIGURE's, a decimal with any unit and a whole number of bytes or
 # seconds. Whole numbers before x, % or minutes are counts and settings (`--ratio 4` is 4x).
 UNIT = (r"(?:x\b|×|%|times\b|percent\b|points\b|tokens\b|GHz\b|[KMGT]i?B\b|kB\b|ms\b|s\b|seconds\b|min\b"
@@ -132,11 +144,7 @@ def render_value(record: dict, selector: dict, column: str) -> str:
     by_key = {each["key"]: each for each in record["columns"]}
     if key not in by_key or part not in ("", "value", "error"):
         raise RecordError(f"record {name!r} has no column {column!r} (it has {', '.join(by_key)})")
-    rows = [row for row in record["rows"] if all(str(row.get(k)) == v for k, v in selector.items())]
-    if len(rows) != 1:
-        wanted = " ".join(f"{k}={v!r}" for k, v in selector.items())
-        raise RecordError(f"record {name!r} has {len(rows)} rows with {wanted or 'no selector'} (a value cites one)")
-    cell = rows[0].get(key)
+    cell = picked_cell(record, selector, key)
     if part and isinstance(cell, dict):
         cell = cell[part]
     elif part == "error":
@@ -144,8 +152,58 @@ def render_value(record: dict, selector: dict, column: str) -> str:
     return format_cell(cell, by_key[key].get("format"))
 
 
+def picked_cell(record: dict, selector: dict, key: str):
+    """The cell of ``record``'s one row that ``selector`` picks, in column ``key``."""
+    rows = [row for row in record["rows"] if all(str(row.get(k)) == v for k, v in selector.items())]
+    if len(rows) != 1:
+        wanted = " ".join(f"{k}={v!r}" for k, v in selector.items())
+        raise RecordError(f"record {record['name']!r} has {len(rows)} rows with {wanted or 'no selector'} "
+                          f"(a reference cites one)")
+    return rows[0].get(key)
+
+
+def comparison_word(record: dict, first: tuple[dict, str], second: tuple[dict, str]) -> str:
+    """How the first route stands to the second in one column of ``record``, from their repeated runs:
+    "level with" where mean ± standard deviation overlap, else "ahead of" (higher) or "behind"."""
+    cells = [picked_cell(record, selector, key) for selector, key in (first, second)]
+    for (selector, key), cell in zip((first, second), cells):
+        runs = len(cell.get("runs", ())) if isinstance(cell, dict) else 1
+        if runs < RUNS_NEEDED:
+            wanted = " ".join(f"{k}={v!r}" for k, v in selector.items())
+            raise RecordError(f"record {record['name']!r}: {key!r} of {wanted} rests on {runs} run(s); a claim "
+                              f"of level or ahead needs {RUNS_NEEDED} or more of each route")
+    (mean_a, sd_a), (mean_b, sd_b) = ((cell["value"], cell["error"]) for cell in cells)
+    if abs(mean_a - mean_b) <= sd_a + sd_b:
+        return "level with"
+    return "ahead of" if mean_a > mean_b else "behind"
+
+
+def parse_compare_spec(spec: str, where: str) -> tuple[str, tuple[dict, str], tuple[dict, str]]:
+    """``NAME KEY=VALUE ... COLUMN vs KEY=VALUE ... COLUMN`` -> (NAME, (row, column), (row, column))."""
+    name, _, rest = spec.partition(" ")
+    first, sep, second = rest.partition(" vs ")
+    if not sep:
+        raise RecordError(f"{where}: the comparison {spec!r} should read NAME KEY=VALUE COLUMN vs KEY=VALUE COLUMN")
+    sides = []
+    for side in (first, second):
+        _, selector, column = parse_value_spec(f"{name} {side}", where)
+        sides.append((selector, column))
+    return name, sides[0], sides[1]
+
+
 def render_values(line: str, where: str, results: Path, changed: list[str]) -> str:
-    """``line`` with each value reference's cell written afresh from its record."""
+    """``line`` with each value reference's cell, and each comparison's word, written afresh from its record."""
+    def compared(match: re.Match) -> str:
+        name, first, second = parse_compare_spec(match.group("spec"), where)
+        try:
+            shown = comparison_word(load(name, results), first, second)
+        except RecordError as err:
+            raise RecordError(f"{where}: {err}") from None
+        if shown != match.group("shown") and name not in changed:
+            changed.append(name)
+        return f"<!-- compare: {match.group('spec')} -->{shown}<!-- /compare -->"
+
+    line = COMPARE.sub(compared, line)
     def written(match: re.Match) -> str:
         name, selector, column = parse_value_spec(match.group("spec"), where)
         try:
@@ -239,22 +297,39 @@ def tables_outside_records(path: Path, text: str) -> list[str]:
     return problems
 
 
+def claims_in(paragraph: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    """The words of ``paragraph`` (its lines' numbers and prose) that rank two routes, with their line, also
+    where a line break splits them."""
+    text, starts = "", []
+    for number, prose in paragraph:
+        starts.append((len(text), number))
+        text += prose + " "
+    return [(max(number for start, number in starts if start <= match.start()), match.group(0))
+            for match in CLAIM.finditer(text)]
+
+
 def figures_outside_records(path: Path, text: str) -> list[str]:
-    """Where ``text``'s prose states a figure that neither a record block nor a value reference writes."""
-    problems, inside, fenced = [], False, False
-    for number, line in enumerate(text.split("\n"), start=1):
+    """Where ``text``'s prose states a figure that neither a record block nor a value reference writes, or
+    ranks two routes outside a comparison reference."""
+    problems, inside, fenced, paragraph = [], False, False, []
+    for number, line in enumerate(text.split("\n") + [""], start=1):
         if START.match(line) or line == END:
             inside = line != END
-            continue
-        if line.lstrip().startswith("```"):
+        elif line.lstrip().startswith("```"):
             fenced = not fenced
+        elif not (inside or fenced or line.startswith("|") or not line.strip()):  # tables: tables_outside_records
+            prose = NOT_PROSE.sub(" ", COMPARE.sub(" ", VALUE.sub(" ", line)))
+            paragraph.append((number, prose))
+            for match in PROSE_FIGURE.finditer(prose):
+                problems.append(f"{path.name} line {number}: the figure {match.group(0).strip()!r} is in no "
+                                f"record (cite it with <!-- value: RECORD KEY=VALUE COLUMN -->, or write a setting "
+                                f"as code)")
             continue
-        if inside or fenced or line.startswith("|"):  # tables are tables_outside_records' to check
-            continue
-        for match in PROSE_FIGURE.finditer(NOT_PROSE.sub(" ", VALUE.sub(" ", line))):
-            problems.append(f"{path.name} line {number}: the figure {match.group(0).strip()!r} is in no record "
-                            f"(cite it with <!-- value: RECORD KEY=VALUE COLUMN -->, or write a setting as code)")
-    return problems
+        problems += [f"{path.name} line {at}: {words!r} ranks two routes without their runs (derive it with "
+                     f"<!-- compare: RECORD KEY=VALUE COLUMN vs KEY=VALUE COLUMN --> from {RUNS_NEEDED} runs of "
+                     f"each, or state the figures)" for at, words in claims_in(paragraph)]
+        paragraph = []
+    return sorted(problems, key=lambda problem: int(problem.split(" line ", 1)[1].split(":", 1)[0]))
 
 
 def main(argv: list[str] | None = None) -> int:

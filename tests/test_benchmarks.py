@@ -122,7 +122,7 @@ def test_a_value_reference_shows_its_record_cell_and_fails_the_check_when_it_dif
 
 @pytest.mark.parametrize("spec, message", [
     ("quality-minilm label='--ratio 99' english", "record 'quality-minilm' has 0 rows with label='--ratio 99'"),
-    ("quality-minilm english", "rows with no selector (a value cites one)"),
+    ("quality-minilm english", "rows with no selector (a reference cites one)"),
     ("quality-minilm label='--ratio 4' speed", "record 'quality-minilm' has no column 'speed'"),
     ("quality-minilm label='--ratio 4'", "names no column"),
 ])
@@ -132,6 +132,59 @@ def test_a_value_reference_that_picks_no_single_cell_is_one_line(tmp_path, capsy
     assert render.main(["--check", "--root", str(root)]) == 2
     error = capsys.readouterr().err
     assert error.startswith("error: extra.md line 1: ") and message in error and error.count("\n") == 1, error
+
+
+def a_record_of_runs(root: Path, monkeypatch, speeds: dict) -> None:
+    """A record of the speeds of routes over repeated runs, in ``root``'s results."""
+    monkeypatch.setattr(record, "commit", lambda: "abc1234")
+    rows = [{"route": route, "speed": record.runs_cell(values)} for route, values in speeds.items()]
+    made = record.new_record("trial-runs", "routes over runs", "python benchmarks/x.py",
+                             [("route", "route"), ("speed", "speed", ".2f")], rows)
+    record.write(made, root / "benchmarks" / "results")
+
+
+@pytest.mark.parametrize("speeds, word", [
+    ({"a": [2.0, 2.1, 2.2], "b": [2.05, 2.15, 2.3]}, "level with"),
+    ({"a": [3.0, 3.1, 3.2], "b": [2.0, 2.1, 2.2]}, "ahead of"),
+    ({"a": [1.0, 1.1, 1.2], "b": [2.0, 2.1, 2.2]}, "behind"),
+])
+def test_a_comparison_takes_its_word_from_three_runs_of_each_route(tmp_path, capsys, monkeypatch, speeds, word):
+    root = a_checkout(tmp_path)
+    a_record_of_runs(root, monkeypatch, speeds)
+    comparison = "<!-- compare: trial-runs route=a speed vs route=b speed -->{}<!-- /compare -->"
+    (root / "docs" / "extra.md").write_text("Route a runs " + comparison.format("faster than") + " route b.\n")
+    assert render.main(["--check", "--root", str(root)]) == 1
+    assert "the table of record 'trial-runs' differs from the record" in capsys.readouterr().err
+    assert render.main(["--root", str(root)]) == 0
+    assert comparison.format(word) in (root / "docs" / "extra.md").read_text()
+    assert render.format_cell(record.runs_cell(speeds["a"]), ".2f") == (
+        f"{sum(speeds['a']) / 3:.2f} ± {record.runs_cell(speeds['a'])['error']:.2f}")  # mean ± sd
+
+
+def test_a_comparison_on_fewer_than_three_runs_is_refused(tmp_path, capsys, monkeypatch):
+    root = a_checkout(tmp_path)
+    a_record_of_runs(root, monkeypatch, {"a": [3.0, 3.1], "b": [2.0, 2.1, 2.2]})
+    (root / "docs" / "extra.md").write_text("a <!-- compare: trial-runs route=a speed vs route=b speed -->"
+                                            "ahead of<!-- /compare --> b\n")
+    assert render.main(["--check", "--root", str(root)]) == 2
+    assert capsys.readouterr().err == (
+        "error: extra.md line 1: record 'trial-runs': 'speed' of route='a' rests on 2 run(s); a claim of level "
+        "or ahead needs 3 or more of each route\n")
+
+
+def test_ranking_words_in_prose_need_a_comparison(tmp_path, capsys):
+    root = a_checkout(tmp_path)
+    text = (root / "docs" / "speed.md").read_text()
+    line = len(text.split("\n")) + 1
+    (root / "docs" / "speed.md").write_text(text + "\nThe int8 graph runs ahead of the peer; the float one draws\n"
+                                            "level with it.\n")
+    assert render.main(["--check", "--root", str(root)]) == 1
+    errors = capsys.readouterr().err.splitlines()
+    assert [error.split(": ", 2)[1:] for error in errors] == [
+        [f"speed.md line {line}", "'ahead of' ranks two routes without their runs (derive it with <!-- compare: "
+         "RECORD KEY=VALUE COLUMN vs KEY=VALUE COLUMN --> from 3 runs of each, or state the figures)"],
+        [f"speed.md line {line}", errors[1].split(": ", 2)[2]]]
+    assert "'draws\nlevel'" not in errors[1] and "draws" in errors[1]
 
 
 def test_a_block_naming_a_missing_record_or_column_is_refused(tmp_path, capsys):
