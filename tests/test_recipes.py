@@ -12,8 +12,8 @@ from comera_convert.cli import main
 from comera_convert.conversion import ConvertOptions, plan
 from comera_convert.conversion.calibration import DEFAULT_CALIBRATION
 from comera_convert.errors import ConfigError
-from comera_convert.recipes import (convert_options, load_recipe, packaged_recipes, purpose, resolve_recipe,
-                                    train_options)
+from comera_convert.recipes import (convert_options, load_recipe, packaged_recipes, purpose, recipes_folder,
+                                    resolve_recipe, train_options)
 from comera_convert.training import TrainOptions
 
 from .tiny_models import build
@@ -28,11 +28,10 @@ def run(*args):
     return CliRunner(env={"COLUMNS": "200"}).invoke(main, [str(a) for a in args])
 
 
-def test_the_recipes_ship_inside_the_package():
+def test_the_recipes_are_found_where_the_package_keeps_them():
     assert set(CONVERSION) >= {"bert-base-ratio4", "minilm-ratio4", "gpt2-ratio4", "comera-rank30"}
     assert set(TRAINING) >= {"train-minilm-distill", "train-mpnet-distill", "train-minilm-to-target", "train-comera"}
-    assert all(path.parent.name == "recipes" and path.parent.parent.name == "comera_convert"
-               for path in RECIPES.values())
+    assert all(path.parent == recipes_folder() for path in RECIPES.values())
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
@@ -109,10 +108,13 @@ def test_every_training_recipe_trains_a_tiny_model(tmp_path, name):
     assert report["extra"]["training"]["steps"] == 3
 
 
-def test_a_recipe_is_found_by_name_by_file_name_and_by_path(tmp_path):
+def test_a_recipe_is_found_by_name_by_file_name_and_by_path(tmp_path, monkeypatch):
     packaged = RECIPES["train-minilm-distill"]
     assert resolve_recipe("train-minilm-distill") == packaged
-    assert resolve_recipe("recipes/train-minilm-distill.yaml") == packaged  # a path written for a checkout
+    # a path written for a checkout, from inside it or from anywhere else
+    assert resolve_recipe("recipes/train-minilm-distill.yaml").resolve() == packaged
+    monkeypatch.chdir(tmp_path)
+    assert resolve_recipe("recipes/train-minilm-distill.yaml") == packaged
     own = tmp_path / "train-minilm-distill.yaml"
     own.write_text("# mine\nminutes: 5\n")
     assert resolve_recipe(own) == own  # a file that exists wins

@@ -2,7 +2,8 @@
 
 Every key is a field of ConvertRequest (``request.py``) or TrainOptions
 (``training/options.py``), which say what each means; command-line options override the recipe's.
-The recipes in this folder ship with the package: ``--recipe train-minilm-distill`` names one, as
+The recipes live in the repository's top-level ``recipes/`` folder and ship with the package (a wheel
+installs them as ``comera_convert/recipes/packaged/``): ``--recipe train-minilm-distill`` names one, as
 does any path ending in its file name; any other YAML file is read as given. Each recipe's first
 line says what it is for (``comera recipes`` lists them).
 """
@@ -17,12 +18,20 @@ from ..request import ConvertRequest
 from ..errors import ConfigError
 from ..training.options import TrainOptions
 
-PACKAGED = Path(__file__).resolve().parent
+# Where an installed wheel keeps the recipes (pyproject.toml maps the top-level recipes/ folder there), and
+# the folder itself, which a checkout or an editable install reads.
+INSTALLED = Path(__file__).resolve().parent / "packaged"
+CHECKOUT = Path(__file__).resolve().parents[2] / "recipes"
+
+
+def recipes_folder() -> Path:
+    """The folder the packaged recipes are read from: the wheel's copy, else the checkout's ``recipes/``."""
+    return INSTALLED if INSTALLED.is_dir() else CHECKOUT
 
 
 def packaged_recipes() -> dict[str, Path]:
     """The recipes that ship with the package, by name (the file name without ``.yaml``)."""
-    return {path.stem: path for path in sorted(PACKAGED.glob("*.yaml"))}
+    return {path.stem: path for path in sorted(recipes_folder().glob("*.yaml"))}
 
 
 def purpose(path: Path) -> str:
