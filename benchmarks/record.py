@@ -140,6 +140,47 @@ def check_history(record: dict, root: Path) -> None:
             raise RecordError(f"record {record['name']!r}: commit {named} is not in this repository's history")
 
 
+# Options whose values a command writes rather than reads: a rerun makes them afresh.
+OUTPUT_OPTIONS = frozenset({"--work", "--out", "--results", "--plot", "--json", "--envs"})
+# A file a command reads, named by its suffix where the path is relative (an alias such as `minilm` is not).
+READ_SUFFIXES = (".jsonl", ".json", ".onnx", ".xml", ".py", ".sh", ".yaml", ".safetensors")
+# Records measured from this date on must rerun from a checkout: their commands read only shipped files.
+# Older records name files of the machine they were measured on, and their captions say so.
+SHIPPED_INPUTS_SINCE = "2026-12-07"
+
+
+def unshipped_inputs(record: dict, root: Path) -> list[str]:
+    """The files ``record``'s command reads that a checkout at ``root`` does not hold: paths outside it
+    (absolute, under ``~`` or ``..``) and relative files it lacks. Values of OUTPUT_OPTIONS are written, not
+    read, and a record copied from the measurement log (``source``) is not a command to rerun."""
+    if record.get("source"):
+        return []
+    try:
+        words = shlex.split(record["command"])
+    except ValueError:
+        return []
+    found, option = [], ""
+    for word in words:
+        if word.startswith("--"):
+            option, _, value = word.partition("=")
+            if not value:
+                continue
+        else:
+            value = word
+        written, option = option in OUTPUT_OPTIONS, ""
+        if written or "/" not in value or any(space in value for space in " \t") or "://" in value:
+            continue
+        outside = value.startswith(("/", "~", "../"))
+        if outside or (value.endswith(READ_SUFFIXES) and not (root / value).exists()):
+            found.append(value)
+    return found
+
+
+def held_to_shipped_inputs(record: dict) -> bool:
+    """Whether ``record`` was measured when records had to rerun from a checkout (SHIPPED_INPUTS_SINCE)."""
+    return record["date"] >= SHIPPED_INPUTS_SINCE
+
+
 def cell(value: float | None, error: float | None = None) -> dict | float | None:
     """A figure with its standard error where one was measured."""
     if value is None or error is None or error != error:  # NaN: no error could be computed

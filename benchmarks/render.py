@@ -29,7 +29,9 @@ overlap, else "ahead of" or "behind":
 
     route a runs <!-- compare: NAME route=a speed vs route=b speed -->level with<!-- /compare --> route b
 
-The check also fails on a record that names no commit, or one this repository's history lacks.
+The check also fails on a record that names no commit, or one this repository's history lacks, and
+on a record measured since ``record.SHIPPED_INPUTS_SINCE`` whose command reads a file that does not
+ship (older ones say so in their caption).
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from record import RESULTS, RecordError, check_history, load  # noqa: E402
+from record import (  # noqa: E402
+    RESULTS, RecordError, check_history, held_to_shipped_inputs, load, unshipped_inputs,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 START = re.compile(r"^<!-- record: (?P<spec>[^>]*?) -->$")
@@ -120,6 +124,9 @@ def caption(record: dict) -> str:
         text += f"; commit {measured_at}" + (" with uncommitted changes" if changed else "")
     if record.get("source"):
         text += f"; {record['source']}"
+    unshipped = unshipped_inputs(record, ROOT)
+    if unshipped:
+        text += f"; it read files that do not ship ({', '.join(unshipped)}), so it does not rerun from a checkout"
     return text + f" (record `benchmarks/results/{record['name']}.json`).*"
 
 
@@ -332,6 +339,15 @@ def figures_outside_records(path: Path, text: str) -> list[str]:
     return sorted(problems, key=lambda problem: int(problem.split(" line ", 1)[1].split(":", 1)[0]))
 
 
+def unshipped_problems(record: dict, root: Path) -> list[str]:
+    """A record measured since SHIPPED_INPUTS_SINCE whose command reads files a checkout lacks: one line."""
+    unshipped = unshipped_inputs(record, root)
+    if not unshipped or not held_to_shipped_inputs(record):
+        return []
+    return [f"benchmarks/results/{record['name']}.json: the command reads {', '.join(unshipped)}, which a checkout "
+            f"does not hold: make inputs with a shipped script under --work, or ship them"]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 when a table differs")
@@ -341,7 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     problems = []
     try:
         for path in sorted(results.glob("*.json")):
-            check_history(load(path.stem, results), args.root)
+            measured = load(path.stem, results)
+            check_history(measured, args.root)
+            problems += unshipped_problems(measured, args.root)
         for path in documents(args.root):
             if not path.is_file():
                 continue

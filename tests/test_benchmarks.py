@@ -31,6 +31,8 @@ def a_checkout(tmp_path: Path) -> Path:
     """The documents and records of the repository, copied, to change without touching it."""
     root = tmp_path / "repo"
     shutil.copytree(BENCHMARKS / "results", root / "benchmarks" / "results")
+    for script_file in BENCHMARKS.glob("*.py"):  # the scripts records name
+        shutil.copy(script_file, root / "benchmarks" / script_file.name)
     shutil.copytree(REPO / "docs", root / "docs")
     for name in ("BENCHMARKS.md", "README.md"):
         shutil.copy(REPO / name, root / name)
@@ -138,7 +140,7 @@ def a_record_of_runs(root: Path, monkeypatch, speeds: dict) -> None:
     """A record of the speeds of routes over repeated runs, in ``root``'s results."""
     monkeypatch.setattr(record, "commit", lambda: "abc1234")
     rows = [{"route": route, "speed": record.runs_cell(values)} for route, values in speeds.items()]
-    made = record.new_record("trial-runs", "routes over runs", "python benchmarks/x.py",
+    made = record.new_record("trial-runs", "routes over runs", "python benchmarks/bench.py",
                              [("route", "route"), ("speed", "speed", ".2f")], rows)
     record.write(made, root / "benchmarks" / "results")
 
@@ -240,6 +242,36 @@ def test_a_record_names_the_commit_it_was_measured_on_and_the_history_holds_it(t
     copied = {**data, "source": "copied from the measurement log (BENCHMARKS.md at commit 0123abd)"}
     with pytest.raises(record.RecordError, match="commit 0123abd is not in this repository's history"):
         record.check_history(copied, REPO)
+
+
+def test_the_files_a_command_reads_are_shipped_or_named():
+    command = ("python benchmarks/serving_frontier.py minilm --work /tmp/w --plot docs/images/f.png "
+               "--json=/tmp/out.json --pairs /tmp/man.jsonl --pairs=/tmp/debian.jsonl --checkpoint ~/tt4 "
+               "--peer ../peers/model.onnx --run '4 => --recipe x' --texts 256 tools/build_heldout_pairs.py "
+               "--pairs pairs/missing.jsonl sentence-transformers/all-MiniLM-L6-v2")
+    measured = {"command": command}
+    assert record.unshipped_inputs(measured, REPO) == [
+        "/tmp/man.jsonl", "/tmp/debian.jsonl", "~/tt4", "../peers/model.onnx", "pairs/missing.jsonl"]
+    copied = {**measured, "source": "copied from the measurement log (BENCHMARKS.md at commit 23f1122)"}
+    assert record.unshipped_inputs(copied, REPO) == []  # a log's line, not a command to rerun
+
+
+def test_a_record_reading_files_that_do_not_ship_fails_the_check_from_its_date(tmp_path, capsys):
+    root = a_checkout(tmp_path)
+    path = root / "benchmarks" / "results" / "attention-units-minilm.json"
+    data = json.loads(path.read_text())
+    data["command"] += " --pairs /tmp/man.jsonl --work /tmp/units"
+    path.write_text(json.dumps({**data, "date": record.SHIPPED_INPUTS_SINCE}))
+    render.main(["--root", str(root)])  # the table follows its record; the input stays unshipped
+    capsys.readouterr()
+    assert render.main(["--check", "--root", str(root)]) == 1
+    assert capsys.readouterr().err == (
+        "error: benchmarks/results/attention-units-minilm.json: the command reads /tmp/man.jsonl, which a "
+        "checkout does not hold: make inputs with a shipped script under --work, or ship them\n")
+    path.write_text(json.dumps({**data, "date": "2026-12-05"}))  # measured before records had to rerun
+    assert render.main(["--root", str(root)]) == 0
+    assert render.main(["--check", "--root", str(root)]) == 0
+    assert "it read files that do not ship (/tmp/man.jsonl), so it does not rerun" in render.render_table(data, {})[-1]
 
 
 def test_a_new_record_is_refused_on_a_tree_with_uncommitted_changes(monkeypatch):
