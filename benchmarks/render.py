@@ -200,28 +200,20 @@ def parse_compare_spec(spec: str, where: str) -> tuple[str, tuple[dict, str], tu
 
 def render_values(line: str, where: str, results: Path, changed: list[str]) -> str:
     """``line`` with each value reference's cell, and each comparison's word, written afresh from its record."""
-    def compared(match: re.Match) -> str:
-        name, first, second = parse_compare_spec(match.group("spec"), where)
-        try:
-            shown = comparison_word(load(name, results), first, second)
-        except RecordError as err:
-            raise RecordError(f"{where}: {err}") from None
-        if shown != match.group("shown") and name not in changed:
-            changed.append(name)
-        return f"<!-- compare: {match.group('spec')} -->{shown}<!-- /compare -->"
+    def rewriter(kind: str, parse, show):
+        def rewrite(match: re.Match) -> str:
+            name, *picked = parse(match.group("spec"), where)
+            try:
+                shown = show(load(name, results), *picked)
+            except RecordError as err:
+                raise RecordError(f"{where}: {err}") from None
+            if shown != match.group("shown") and name not in changed:
+                changed.append(name)
+            return f"<!-- {kind}: {match.group('spec')} -->{shown}<!-- /{kind} -->"
+        return rewrite
 
-    line = COMPARE.sub(compared, line)
-    def written(match: re.Match) -> str:
-        name, selector, column = parse_value_spec(match.group("spec"), where)
-        try:
-            shown = render_value(load(name, results), selector, column)
-        except RecordError as err:
-            raise RecordError(f"{where}: {err}") from None
-        if shown != match.group("shown") and name not in changed:
-            changed.append(name)
-        return f"<!-- value: {match.group('spec')} -->{shown}<!-- /value -->"
-
-    return VALUE.sub(written, line)
+    line = COMPARE.sub(rewriter("compare", parse_compare_spec, comparison_word), line)
+    return VALUE.sub(rewriter("value", parse_value_spec, render_value), line)
 
 
 def render_table(record: dict, options: dict) -> list[str]:
