@@ -316,19 +316,27 @@ def figures_outside_records(path: Path, text: str) -> list[str]:
             inside = line != END
         elif line.lstrip().startswith("```"):
             fenced = not fenced
-        elif not (inside or fenced or line.startswith("|") or not line.strip()):  # tables: tables_outside_records
+        elif not (inside or fenced or not line.strip()):
             prose = NOT_PROSE.sub(" ", COMPARE.sub(" ", VALUE.sub(" ", line)))
-            paragraph.append((number, prose))
-            for match in PROSE_FIGURE.finditer(prose):
-                problems.append(f"{path.name} line {number}: the figure {match.group(0).strip()!r} is in no "
-                                f"record (cite it with <!-- value: RECORD KEY=VALUE COLUMN -->, or write a setting "
-                                f"as code)")
-            continue
-        problems += [f"{path.name} line {at}: {words!r} ranks two routes without their runs (derive it with "
-                     f"<!-- compare: RECORD KEY=VALUE COLUMN vs KEY=VALUE COLUMN --> from {RUNS_NEEDED} runs of "
-                     f"each, or state the figures)" for at, words in claims_in(paragraph)]
+            if line.startswith("|"):  # a hand-written table's row: its figures are tables_outside_records' to judge
+                problems += unranked_claims(path, [(number, prose)])
+            else:
+                paragraph.append((number, prose))
+                for match in PROSE_FIGURE.finditer(prose):
+                    problems.append(f"{path.name} line {number}: the figure {match.group(0).strip()!r} is in no "
+                                    f"record (cite it with <!-- value: RECORD KEY=VALUE COLUMN -->, or write a "
+                                    f"setting as code)")
+                continue
+        problems += unranked_claims(path, paragraph)
         paragraph = []
     return sorted(problems, key=lambda problem: int(problem.split(" line ", 1)[1].split(":", 1)[0]))
+
+
+def unranked_claims(path: Path, paragraph: list[tuple[int, str]]) -> list[str]:
+    """A line for each word of ``paragraph`` that ranks two routes outside a comparison reference."""
+    return [f"{path.name} line {at}: {words!r} ranks two routes without their runs (derive it with "
+            f"<!-- compare: RECORD KEY=VALUE COLUMN vs KEY=VALUE COLUMN --> from {RUNS_NEEDED} runs of "
+            f"each, or state the figures)" for at, words in claims_in(paragraph)]
 
 
 def unshipped_problems(record: dict, root: Path) -> list[str]:

@@ -189,6 +189,15 @@ def test_ranking_words_in_prose_need_a_comparison(tmp_path, capsys):
     assert "'draws\nlevel'" not in errors[1] and "draws" in errors[1]
 
 
+def test_ranking_words_in_a_hand_written_table_need_a_comparison(tmp_path, capsys):
+    root = a_checkout(tmp_path)
+    text = (root / "docs" / "jobs.md").read_text()
+    row = len(text.split("\n")) + 3  # after a blank line, the header and its rule
+    (root / "docs" / "jobs.md").write_text(text + "\n| route | speed |\n|---|---|\n| int8 graph | ahead of dense |\n")
+    assert render.main(["--check", "--root", str(root)]) == 1
+    assert capsys.readouterr().err.startswith(f"error: jobs.md line {row}: 'ahead of' ranks two routes")
+
+
 def test_a_block_naming_a_missing_record_or_column_is_refused(tmp_path, capsys):
     root = a_checkout(tmp_path)
     (root / "docs" / "extra.md").write_text("<!-- record: no-such-record -->\n<!-- /record -->\n")
