@@ -4,7 +4,9 @@ scripts turn what `comera frontier` and `comera bench` report into records."""
 
 import importlib.util
 import json
+import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -281,6 +283,26 @@ def test_a_record_reading_files_that_do_not_ship_fails_the_check_from_its_date(t
     assert render.main(["--root", str(root)]) == 0
     assert render.main(["--check", "--root", str(root)]) == 0
     assert "it read files that do not ship (/tmp/man.jsonl), so it does not rerun" in render.render_table(data, {})[-1]
+
+
+def test_each_finding_cites_where_its_figures_are():
+    # A finding's log names the commit whose BENCHMARKS.md or change holds its figures, or the record that does.
+    if not record.has_full_history(REPO):
+        pytest.skip("the history is read in a full git clone only")
+    decimal = re.compile(r"\d+\.\d+")
+    untraced = []
+    for row in record.load("findings")["rows"]:
+        figures = set(decimal.findall(re.sub(r"`[^`]*`", " ", row["measured"])))
+        cited = re.fullmatch(r"record `(?P<name>[\w-]+)`|`(?P<commit>[0-9a-f]{7,40})`", row["log"])
+        assert cited, f"{row['finding']!r}: the log {row['log']!r} names neither a commit nor a record"
+        if cited["name"]:
+            source = json.dumps(record.load(cited["name"]))
+        else:
+            source = "".join(subprocess.run(["git", "show", what], cwd=REPO, capture_output=True, text=True).stdout
+                             for what in (f"{cited['commit']}:BENCHMARKS.md", cited["commit"]))
+        if figures and not any(figure in source for figure in figures):
+            untraced.append(f"{row['finding']!r}: none of {sorted(figures)} in {row['log']}")
+    assert untraced == []
 
 
 def test_a_new_record_is_refused_on_a_tree_with_uncommitted_changes(monkeypatch):
