@@ -328,6 +328,25 @@ def test_a_new_record_states_this_machine_and_validates(tmp_path, monkeypatch):
         record.validate({**made, "date": "yesterday"}, "trial")
 
 
+def test_the_frontier_script_keeps_each_speed_over_its_runs():
+    frontier = script("serving_frontier")
+    kept = {"value": 0.97, "error": 0.03}
+
+    def bench_rows(comera: float, peer: float, also: bool = True) -> list[dict]:
+        rows = [{"method": "comera, OpenVINO int8 [ratio-4]", "speed_vs_peer": comera, "kept_english": kept},
+                {"method": "peer: openvino_model_qint8_quantized.xml", "speed_vs_peer": peer, "kept_english": kept}]
+        return rows + ([{"method": "comera float32 [ratio-4]", "speed_vs_peer": 0.7}] if also else [])
+
+    merged = frontier.merged_runs([bench_rows(1.3, 1.0), bench_rows(1.1, 1.0, also=False), bench_rows(1.2, 1.0)])
+    assert [row["method"] for row in merged] == ["comera, OpenVINO int8 [ratio-4]",
+                                                 "peer: openvino_model_qint8_quantized.xml"]  # in every run only
+    ours, peer = merged
+    assert ours["speed_vs_peer"] == record.runs_cell([1.3, 1.1, 1.2])  # mean, spread and every run
+    assert ours["kept_english"] == kept  # the shares kept are the first run's
+    assert render.comparison_word({"name": "f", "rows": merged}, ({"method": ours["method"]}, "speed_vs_peer"),
+                                  ({"method": peer["method"]}, "speed_vs_peer")) == "ahead of"
+
+
 def test_the_quality_script_turns_a_frontier_into_rows():
     quality = script("quality")
     frontier = {"dense_bytes": 4 * 2 ** 20, "domains": ["english", "man"], "notes": [], "points": [
