@@ -111,7 +111,7 @@ def format_cell(value, spec: str | None = None) -> str:
     return text
 
 
-def caption(record: dict) -> str:
+def caption(record: dict, root: Path = ROOT) -> str:
     machine, versions = record["machine"], record["versions"]
     where = machine.get("gpu") or f"{machine['cpu']}, {machine['cores']} cores"
     features = machine.get("features")
@@ -124,7 +124,7 @@ def caption(record: dict) -> str:
         text += f"; commit {measured_at}" + (" with uncommitted changes" if changed else "")
     if record.get("source"):
         text += f"; {record['source']}"
-    unshipped = unshipped_inputs(record, ROOT)
+    unshipped = unshipped_inputs(record, root)
     if unshipped:
         text += f"; it read files that do not ship ({', '.join(unshipped)}), so it does not rerun from a checkout"
     return text + f" (record `benchmarks/results/{record['name']}.json`).*"
@@ -216,8 +216,9 @@ def render_values(line: str, where: str, results: Path, changed: list[str]) -> s
     return VALUE.sub(rewriter("value", parse_value_spec, render_value), line)
 
 
-def render_table(record: dict, options: dict) -> list[str]:
-    """The Markdown lines of ``record``'s table with the columns and rows ``options`` pick."""
+def render_table(record: dict, options: dict, root: Path = ROOT) -> list[str]:
+    """The Markdown lines of ``record``'s table with the columns and rows ``options`` pick; the caption names the
+    files its command reads that the checkout at ``root`` lacks."""
     name = record["name"]
     columns = record["columns"]
     if "columns" in options:
@@ -240,7 +241,7 @@ def render_table(record: dict, options: dict) -> list[str]:
     lines.append("")
     for note in record.get("notes", []):
         lines += [note, ""]
-    lines.append(caption(record))
+    lines.append(caption(record, root))
     return lines
 
 
@@ -261,7 +262,7 @@ def render_document(path: Path, results: Path = RESULTS) -> tuple[str, list[str]
         if end is None:
             raise RecordError(f"{where}: the record block has no closing {END}")
         name, options = parse_spec(match.group("spec"), where)
-        table = render_table(load(name, results), options)
+        table = render_table(load(name, results), options, results.parents[1])  # results: ROOT/benchmarks/results
         if table != lines[index + 1:end]:
             changed.append(name)
         out += [line, *table, END]
