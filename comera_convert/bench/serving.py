@@ -16,6 +16,7 @@ compiled method is scored as its eager source).
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import shutil
 import statistics
@@ -155,36 +156,86 @@ def serving_case(checkpoint, reference_name: str | None, pair_files, texts: int,
     _check_one_source(checkpoints, compared)
     first = compared[0]
     labels = {Path(c.path).name if len(compared) > 1 else "": c for c in compared}
-    progress("int8 copies of the dense and compressed models")
-    models = {DENSE: first.reference, DENSE_INT8: quantized_dense(first.reference)}
-    for label, each in labels.items():
-        models.update({_labelled(OURS, label): each.compressed,
-                       _labelled(OURS_INT8, label): int8_compute_copy(each.compressed)})
-    if compile_models:
-        models.update({name + COMPILED: compiled(model) for name, model in list(models.items())})
+    progress("int8 copy of the dense model")
+    dense = _with_compiled({DENSE: first.reference, DENSE_INT8: quantized_dense(first.reference)}, compile_models)
     if onnx:
-        models.update(runtime_methods(first, labels, progress, peers, forms))
+        dense.update(dense_runtime_methods(first, progress, peers))
     domains = _pair_domains(pair_files, texts)
     documents = interleaved([[document for _, document in pairs] for pairs in domains.values()])[:texts]
     batches = length_sorted_batches(first.tokenizer, documents, batch)
-    progress(f"timing {len(documents)} texts, {repeats} rounds of {len(models)} models"
-             + (" (compiling first)" if compile_models else ""))
-    rounds = timed_rounds(models, batches, repeats)
-    quality = {}
-    for index, (domain, pairs) in enumerate(domains.items()):
-        progress(f"retrieval on {domain} ({index + 1}/{len(domains)})")
-        scores = {name: model_retrieval(model, first.tokenizer, pairs, SEQ_LEN, first.pooling)
-                  for name, model in models.items() if not name.endswith(COMPILED)}
-        quality[domain] = {name: kept(scores[eager_name(name)], scores[DENSE]) for name in models}
+    scores = _scores(dense, domains, first, progress)
+    groups, made = [], {}
+    for index, (label, each) in enumerate(labels.items()):
+        group = checkpoint_methods(each, label, first.tokenizer, progress, compile_models, onnx, forms)
+        timed = (dense if index == 0 else _anchors(dense)) | group
+        progress(f"timing {len(documents)} texts, {repeats} rounds of {len(timed)} models"
+                 + (f" (checkpoint {index + 1}/{len(labels)})" if label else "")
+                 + (" (compiling first)" if compile_models else ""))
+        groups.append(timed_rounds(timed, batches, repeats))
+        for domain, by_name in _scores(group, domains, first, progress).items():
+            scores[domain] |= by_name
+        made |= {name: _graph_facts(model) for name, model in ((dense | group) if index == 0 else group).items()}
+        del group, timed  # one checkpoint's sessions at a time: each runtime's caches grow with the shapes it sees
+        gc.collect()
+    quality = {domain: {name: kept(by_name[eager_name(name)], by_name[DENSE]) for name in made}
+               for domain, by_name in scores.items()}
     tokens = sum(int(encoded["attention_mask"].sum()) for encoded in batches)
     shape = f"{first.source}, {len(documents)} texts ({tokens / len(documents):.0f} tokens avg), batch {batch}"
-    speeds = {name: len(documents) / statistics.median(seconds) for name, seconds in rounds.items()}
-    routes = zero_effort(models)
+    rounds = {name: _rounds_of(name, groups) for name in made}
+    speeds = {name: len(documents) / statistics.median(seconds[name]) for name, seconds in rounds.items()}
+    routes = zero_effort(made)
     peer = max(routes, key=speeds.get) if routes else None
-    against = {"dense": round_ratios(rounds, DENSE), "peer": round_ratios(rounds, peer) if peer else {}}
+    against = {"dense": {name: round_ratios(seconds, DENSE)[name] for name, seconds in rounds.items()},
+               "peer": {name: round_ratios(seconds, peer)[name] for name, seconds in rounds.items()} if peer else {}}
     case = "serving" if onnx else "inference"
-    return [_row(name, models[name], case, shape, speeds[name], against, quality, peer, _label_of(name, labels))
-            for name in models]
+    return [_row(name, made[name], case, shape, speeds[name], against, quality, peer, _label_of(name, labels))
+            for name in made]
+
+
+def _with_compiled(models: dict, compile_models: bool) -> dict:
+    """``models``, and each under ``torch.compile`` as well where ``compile_models``."""
+    return models | ({name + COMPILED: compiled(model) for name, model in models.items()} if compile_models else {})
+
+
+def checkpoint_methods(each, label: str, tokenizer, progress, compile_models: bool, onnx: bool,
+                       forms: str) -> dict:
+    """One compressed checkpoint's methods (named after ``label`` where several are measured): PyTorch float
+    and int8 compute, compiled where asked, and its ONNX Runtime and OpenVINO graphs with ``onnx``."""
+    progress("int8 copy of the compressed model" + (f" {label}" if label else ""))
+    methods = _with_compiled({_labelled(OURS, label): each.compressed,
+                              _labelled(OURS_INT8, label): int8_compute_copy(each.compressed)}, compile_models)
+    if onnx:
+        for make, names in _runtimes(lambda message: None):  # the dense methods said which are missing
+            methods.update(make(each.compressed, tuple(_labelled(n, label) for n in names[1]), tokenizer,
+                                progress, forms))
+    return methods
+
+
+def _anchors(dense: dict) -> dict:
+    """The dense methods every checkpoint's rounds time again: dense PyTorch and the routes with no comera, which
+    each checkpoint's speeds are ratios against (the others are timed with the first checkpoint only)."""
+    return {name: model for name, model in dense.items() if name == DENSE or name in zero_effort(dense)}
+
+
+def _rounds_of(name: str, groups: list[dict]) -> dict[str, list[float]]:
+    """The rounds of ``name`` and of every anchor, over the checkpoints' rounds that timed ``name``."""
+    timed = [group for group in groups if name in group]
+    return {method: [s for group in timed for s in group[method]] for method in timed[0] if method in timed[-1]}
+
+
+def _scores(models: dict, domains: dict, first, progress) -> dict[str, dict]:
+    """Retrieval scores per domain of each uncompiled method of ``models``."""
+    scores = {}
+    for index, (domain, pairs) in enumerate(domains.items()):
+        progress(f"retrieval on {domain} ({index + 1}/{len(domains)}) of {len(models)} models")
+        scores[domain] = {name: model_retrieval(model, first.tokenizer, pairs, SEQ_LEN, first.pooling)
+                          for name, model in models.items() if not name.endswith(COMPILED)}
+    return scores
+
+
+def _graph_facts(model) -> dict:
+    """What a row says of a method's model besides its timings: its graph's size, its layers' serving forms."""
+    return {"file_mb": graph_megabytes(model), "forms": getattr(model, "forms", None)}
 
 
 def _labelled(method: str, label: str) -> str:
@@ -217,14 +268,13 @@ def _pair_domains(pair_files, texts: int) -> dict:
     return domains or {"english": held_out_pairs("english", texts)}
 
 
-def _row(name: str, model, case: str, shape: str, per_second: float, against: dict, quality: dict,
+def _row(name: str, facts: dict, case: str, shape: str, per_second: float, against: dict, quality: dict,
          peer: str | None, checkpoint: str | None) -> dict:
     kept_by_domain = {domain: shares[name] for domain, shares in quality.items()}
     worst = min(kept_by_domain, key=lambda domain: kept_by_domain[domain]["recall_kept"])
     row = {"case": case, "method": name, "device": "cpu", "dtype": "int8" if "int8" in name else "float32",
            "shape": shape, **({"checkpoint": checkpoint} if checkpoint else {}),
-           **({"file_mb": megabytes} if (megabytes := graph_megabytes(model)) else {}),
-           **({"forms": model.forms} if getattr(model, "forms", None) else {}),
+           **{key: value for key, value in facts.items() if value},
            "sentences_per_s": round(per_second, 1), "speed_vs_dense": round(against["dense"][name][0], 2),
            "speed_vs_dense_error": round(against["dense"][name][1], 3),
            "recall_kept": {domain: round(share["recall_kept"], 3) for domain, share in kept_by_domain.items()},
@@ -238,20 +288,24 @@ def _row(name: str, model, case: str, shape: str, per_second: float, against: di
     return row
 
 
-def runtime_methods(first, labels: dict, progress, peers, forms: str = "auto") -> dict:
-    """The ONNX Runtime methods, the OpenVINO ones where OpenVINO is installed, of the dense model and each
-    compressed checkpoint (``labels``: by label), and the peers' graphs."""
-    runtimes = [(onnx_methods, (DENSE_ONNX, DENSE_ONNX_INT8), (OURS_ONNX, OURS_ONNX_INT8))]
+def _runtimes(progress) -> list:
+    """Each serving runtime's maker of methods and its (dense, compressed) method names: ONNX Runtime, and
+    OpenVINO where it is installed."""
+    runtimes = [(onnx_methods, ((DENSE_ONNX, DENSE_ONNX_INT8), (OURS_ONNX, OURS_ONNX_INT8)))]
     if openvino_installed():
-        runtimes.append((openvino_methods, (DENSE_OPENVINO, DENSE_OPENVINO_INT8), (OURS_OPENVINO, OURS_OPENVINO_INT8)))
+        runtimes.append((openvino_methods, ((DENSE_OPENVINO, DENSE_OPENVINO_INT8),
+                                            (OURS_OPENVINO, OURS_OPENVINO_INT8))))
     else:
         progress("no OpenVINO rows: pip install 'comera-convert[openvino]' to add them")
+    return runtimes
+
+
+def dense_runtime_methods(first, progress, peers) -> dict:
+    """The dense model's ONNX Runtime methods, its OpenVINO ones where OpenVINO is installed, and the peers'
+    graphs."""
     methods = {}
-    for make, dense_names, names in runtimes:
-        methods.update(make(first.reference, dense_names, first.tokenizer, progress))
-        for label, each in labels.items():
-            methods.update(make(each.compressed, tuple(_labelled(n, label) for n in names), first.tokenizer,
-                                progress, forms))
+    for make, names in _runtimes(progress):
+        methods.update(make(first.reference, names[0], first.tokenizer, progress))
     return methods | peer_methods(peers)
 
 
