@@ -210,7 +210,7 @@ def test_bench_serving_adds_onnx_runtime_float_and_int8_for_both_models(tmp_path
     rows = {row["method"]: row for row in json.loads(result.output)["rows"]}
     onnx_rows = [name for name in rows if "ONNX Runtime" in name]
     assert onnx_rows == ["dense, ONNX Runtime", "dense, ONNX Runtime int8 (sentence-transformers' quantization)",
-                              "comera, ONNX Runtime", "comera, ONNX Runtime int8"]
+                         "comera, ONNX Runtime", "comera, ONNX Runtime int8"]
     # the float graphs compute what PyTorch does: the same retrieval as their PyTorch models
     assert rows["dense, ONNX Runtime"]["recall_kept"] == {"words": 1.0}
     assert rows["comera, ONNX Runtime"]["recall_kept"] == rows["comera float32"]["recall_kept"]

@@ -200,7 +200,8 @@ def _with_compiled(models: dict, compile_models: bool) -> dict:
 def checkpoint_methods(each, label: str, tokenizer, progress, compile_models: bool, onnx: bool,
                        forms: str) -> dict:
     """One compressed checkpoint's methods (named after ``label`` where several are measured): PyTorch float
-    and int8 compute, compiled where asked, and its ONNX Runtime and OpenVINO graphs with ``onnx``."""
+    and int8 compute (each under torch.compile too with ``compile_models``), and with ``onnx`` its ONNX Runtime
+    and OpenVINO graphs."""
     progress("int8 copy of the compressed model" + (f" {label}" if label else ""))
     methods = _with_compiled({_labelled(OURS, label): each.compressed,
                               _labelled(OURS_INT8, label): int8_compute_copy(each.compressed)}, compile_models)
