@@ -52,6 +52,7 @@ def plot_serving(rows: list[dict], path: Path, machine: str) -> Path:
     shape = rows[0]["shape"] if rows else ""
     fig.suptitle(f"serving frontier: {shape}\n{machine}", fontsize=9)
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)  # a run of half an hour must not end on a missing folder
     tmp = path.with_name(f".{path.name}.tmp.png")
     fig.savefig(tmp)
     tmp.replace(path)

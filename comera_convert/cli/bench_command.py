@@ -92,6 +92,8 @@ def bench(cases, quick, device, dtype, repeats, json_path, variants, model_name,
                               model_name, serving)
     payload = {"machine": benchmarks.machine(), "torch": torch.__version__, "device": device,
                "dtype": dtype, "quick": quick, "rows": rows}
+    if json_path and json_path != "-":  # the measurement first: nothing after it may lose it
+        write_text_atomic(Path(json_path), json.dumps(payload, indent=1))
     if plot:
         from ..bench.serving_plot import plot_serving
 
@@ -108,7 +110,6 @@ def bench(cases, quick, device, dtype, repeats, json_path, variants, model_name,
         justify = [(c, "left" if c in ("method", "shape", "ranks", "error") else "right") for c in columns]
         out.print(fitted(case, justify, [[_cell(row.get(c)) for c in columns] for row in case_rows], out.width))
     if json_path:
-        write_text_atomic(Path(json_path), json.dumps(payload, indent=1))
         out.print(f"[green]wrote[/] {json_path}")
     if plot:
         out.print(f"[green]wrote[/] {plot}")

@@ -43,7 +43,9 @@ def write_model_files(model: nn.Module, directory: Path) -> None:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write a text file through a temporary sibling and a rename: never half-written."""
+    """Write a text file through a temporary sibling and a rename: never half-written (its folder made if
+    missing)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
