@@ -162,7 +162,8 @@ def main(argv: list[str] | None = None) -> None:
                            f"route with no comera, and the share of dense recall@1 kept")
     record = records.new_record(
         args.name, title, shlex.join(["python", "benchmarks/serving_frontier.py", *argv]), columns_of(keys), rows,
-        notes=[f"{shape}; speeds are medians of {args.repeats} rounds' ratios, every method timed in each round"
+        notes=[f"{shape}; speeds are medians of {args.repeats} rounds' ratios, each checkpoint timed in rounds "
+               "of its own beside dense PyTorch and the routes with no comera"
                + (f"; each speed the mean ± standard deviation of {args.runs} runs" if args.runs > 1 else ""),
                "speed_vs_peer: against the fastest route with no comera in the same rounds (sentence-transformers' "
                "own int8 exports, and the dense graphs as its backends make them)"])
