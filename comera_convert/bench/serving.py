@@ -8,7 +8,8 @@ well (inductor fuses the elementwise work between the GEMMs and takes away Pytho
 overhead; the int8 GEMMs stay torch's quantized kernels; compiling happens in the untimed
 warm-up). Texts are embedded as sentence-transformers' ``encode`` does: sorted by length, in
 batches of ``BATCH``. Each timed round runs every method once, in turn, and each method reports its
-median round (rounds side by side: the machine's drift meets every method alike).
+median round (rounds side by side: the machine's drift meets every method alike); several checkpoints are
+timed one at a time, each in rounds of its own beside dense and the routes with no comera.
 Quality: each method's retrieval recall@1 on query/document pairs as a share of the dense model's (a
 compiled method is scored as its eager source).
 """
