@@ -26,6 +26,11 @@ def cpu_model() -> str:
     return _cpu_info_line("model name") or platform.processor() or platform.machine()
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor as the kernel reports it ("AuthenticAMD", "GenuineIntel"): MKL picks its kernels by it."""
+    return _cpu_info_line("vendor_id") or platform.processor() or platform.machine()
+
+
 def cpu_features() -> list[str]:
     """Which of ``TIMING_FEATURES`` this CPU has."""
     flags = set((_cpu_info_line("flags") or "").split())

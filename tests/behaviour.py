@@ -18,7 +18,6 @@ family (``kernels()``), each converted on one thread; a machine of a family not 
 from __future__ import annotations
 
 import json
-import platform
 import sys
 import tempfile
 from contextlib import contextmanager
@@ -126,12 +125,9 @@ def dense_source(tmp_path: Path) -> tuple[Path, object]:
 def kernels() -> str:
     """The family of CPU kernels a digest depends on: the CPU's vendor and the widest vector instructions torch
     dispatches to on it (MKL picks its paths by both)."""
-    vendor = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        lines = [line for line in cpuinfo.read_text().splitlines() if line.startswith("vendor_id")]
-        vendor = lines[0].split(":", 1)[1].strip() if lines else vendor
-    return f"{vendor} {torch.backends.cpu.get_cpu_capability()}"
+    from comera_convert.machine import cpu_vendor
+
+    return f"{cpu_vendor()} {torch.backends.cpu.get_cpu_capability()}"
 
 
 @contextmanager
