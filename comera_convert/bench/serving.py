@@ -165,7 +165,7 @@ def serving_case(checkpoint, reference_name: str | None, pair_files, texts: int,
     documents = interleaved([[document for _, document in pairs] for pairs in domains.values()])[:texts]
     batches = length_sorted_batches(first.tokenizer, documents, batch)
     scores = _scores(dense, domains, first, progress)
-    groups, made = [], {}
+    groups, made = [], {name: _graph_facts(model) for name, model in dense.items()}
     for index, (label, each) in enumerate(labels.items()):
         group = checkpoint_methods(each, label, first.tokenizer, progress, compile_models, onnx, forms)
         timed = (dense if index == 0 else _anchors(dense)) | group
@@ -175,7 +175,7 @@ def serving_case(checkpoint, reference_name: str | None, pair_files, texts: int,
         groups.append(timed_rounds(timed, batches, repeats))
         for domain, by_name in _scores(group, domains, first, progress).items():
             scores[domain] |= by_name
-        made |= {name: _graph_facts(model) for name, model in ((dense | group) if index == 0 else group).items()}
+        made |= {name: _graph_facts(model) for name, model in group.items()}
         del group, timed  # one checkpoint's sessions at a time: each runtime's caches grow with the shapes it sees
         gc.collect()
     quality = {domain: {name: kept(by_name[eager_name(name)], by_name[DENSE]) for name in made}
