@@ -18,6 +18,7 @@ from pathlib import Path
 from .errors import ConfigError
 from .evaluation import DEFAULT_DOMAINS, MODEL2VEC_MISSING, Task, _kind, domain_pairs, static_baseline, static_dims
 from .hf.config import compression_of
+from .hf.files import save_figure_atomic
 from .hf.loading import from_pretrained
 from .hf.saving import weight_bytes
 from .models import load_model, load_tokenizer, read_config, resolve
@@ -151,7 +152,4 @@ def plot_frontier(frontier: dict, path: Path) -> Path:
     axis.grid(True, which="both", linewidth=0.3)
     fig.suptitle(f"size frontier of {frontier['reference']}")
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp)
-    tmp.replace(path)
-    return path
+    return save_figure_atomic(fig, path)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..hf.files import save_figure_atomic
 from .serving import zero_effort
 
 RUNTIME_COLOURS = {"OpenVINO": "tab:blue", "ONNX Runtime": "tab:orange", "torch": "tab:green"}
@@ -52,11 +53,7 @@ def plot_serving(rows: list[dict], path: Path, machine: str) -> Path:
     shape = rows[0]["shape"] if rows else ""
     fig.suptitle(f"serving frontier: {shape}\n{machine}", fontsize=9)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)  # a run of half an hour must not end on a missing folder
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp)
-    tmp.replace(path)
-    return path
+    return save_figure_atomic(fig, path)
 
 
 def _short(method: str) -> str:

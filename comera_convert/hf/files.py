@@ -1,5 +1,5 @@
 """Checkpoint files as transformers writes them: safetensors dtype names, file names, the shard
-index and the model files beside the weights, and atomic text writes.
+index and the model files beside the weights, and atomic writes of text and plots.
 
 The lowest module of the transformers integration: saving, integer storage, streaming and the spool
 all write or read these files, so what they share lives here and none imports another for it.
@@ -49,3 +49,13 @@ def write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def save_figure_atomic(figure, path: Path) -> Path:
+    """Save a matplotlib figure as ``path`` (PNG) through a temporary sibling and a rename, its folder made if
+    missing: a plot drawn at the end of a long run must not end it on a missing folder or a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    figure.savefig(tmp)
+    os.replace(tmp, path)
+    return path

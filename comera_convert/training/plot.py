@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..hf.files import save_figure_atomic
+
 
 def plot_history(history: list[dict], path: Path) -> Path | None:
     rows = [h for h in history if h.get("loss") is not None]
@@ -34,7 +36,4 @@ def plot_history(history: list[dict], path: Path) -> Path | None:
         loss_axis.text(late[0], loss_axis.get_ylim()[1], " late stage", va="top", fontsize=8, color="gray")
     fig.suptitle("comera train: loss and compression")
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp)
-    tmp.replace(path)
-    return path
+    return save_figure_atomic(fig, path)
