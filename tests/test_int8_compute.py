@@ -130,8 +130,10 @@ def test_bench_inference_compiled_rows_time_the_compiled_models_and_keep_their_q
                                        "--pairs", str(pairs), "--texts", "12", "--repeats", "1", "--compile", "--json"])
     assert result.exit_code == 0, result.output
     rows = {row["method"]: row for row in json.loads(result.output)["rows"]}
-    eager = ["dense", "dense, int8 dynamic (torch)", "comera float32", "comera int8 compute"]
-    assert list(rows) == eager + [f"{name}, torch.compile" for name in eager]
+    # The dense rows first, each eager then compiled, then the checkpoint's.
+    dense, ours = ["dense", "dense, int8 dynamic (torch)"], ["comera float32", "comera int8 compute"]
+    assert list(rows) == [name + suffix for group in (dense, ours) for suffix in ("", ", torch.compile")
+                          for name in group]
     assert all(row["sentences_per_s"] > 0 for row in rows.values())
     # A compiled method is scored as its eager source: what makes that right is that the compiled
     # copy computes the same embeddings, checked here on the compressed model, float and int8.

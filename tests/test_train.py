@@ -704,8 +704,9 @@ def assert_trained_alike(first, second, atol: float) -> None:
 
 def assert_took_the_same_course(start, first, second) -> None:
     """Two runs of one training on two parallel layouts (DDP, FSDP) took the same course: the same
-    stage and size at every step, losses within rounding's reach, the same entries closed per bond
-    (shapes), and outputs that differ by a small share of what the training changed in them.
+    stage and size at every step, losses alike until the first closure and close after it, the
+    same entries closed per bond (shapes), and outputs that differ by a small share of what the
+    training changed in them.
 
     Not entry by entry, as ``assert_trained_alike``: FSDP sums the gradient norm over shards, so the
     clip factor differs from DDP's in the fifth digit; AdamW at the test's gate rate (0.2) carries
@@ -714,7 +715,13 @@ def assert_took_the_same_course(start, first, second) -> None:
     word table measured 0.17 apart entry by entry, its logits 1.3 % apart)."""
     histories = [json.loads((run / "comera_history.json").read_text()) for run in (first, second)]
     assert [(h["stage"], h["size"]) for h in histories[0]] == [(h["stage"], h["size"]) for h in histories[1]]
-    assert [h["loss"] for h in histories[0]] == pytest.approx([h["loss"] for h in histories[1]], rel=1e-3)
+    losses = [[h["loss"] for h in history] for history in histories]
+    # Up to the first closure the runs differ only by the clip factor's fifth digit; once entries close, a
+    # near-tie closed the other way round moves a later loss by about a thousandth (1.3e-3 measured on
+    # an Intel CPU), a hundredth of what one batch moves it by.
+    first_cut = next(i for i, h in enumerate(histories[0]) if h["size"] != histories[0][0]["size"])
+    assert losses[0][:first_cut + 1] == pytest.approx(losses[1][:first_cut + 1], rel=1e-4)
+    assert losses[0] == pytest.approx(losses[1], rel=5e-3)
     models = [comera_convert.from_pretrained(run).eval() for run in (start, first, second)]
     shapes = [{k: v.shape for k, v in model.state_dict().items()} for model in models[1:]]
     assert shapes[0] == shapes[1]
