@@ -285,6 +285,55 @@ def test_ratio_that_is_not_a_number_is_a_usage_error(dense_dir):
     assert "'abc' is not a valid float" in result.output
 
 
+def _deadlocked() -> None:
+    """Wait in C where no signal brings it back to Python: a plain mutex locked twice by one thread (as a
+    child forked from a threaded process waits on a lock another thread held, in getaddrinfo or malloc)."""
+    import ctypes
+
+    mutex = ctypes.create_string_buffer(64)  # zeroed: glibc's PTHREAD_MUTEX_INITIALIZER, a normal mutex
+    pthread = ctypes.CDLL(None)
+    pthread.pthread_mutex_lock(mutex)
+    pthread.pthread_mutex_lock(mutex)
+
+
+def test_a_process_a_command_forks_dies_on_terminate_while_it_waits_in_c():
+    """OpenVINO's telemetry forks its sender from a worker thread, waits three seconds, then terminates it;
+    multiprocessing joins it at exit. A child that kept the command's SIGTERM handler outlived the terminate
+    and held the command at its end."""
+    import multiprocessing
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    import click
+
+    from comera_convert.cli.group import ComeraGroup, _exit_on_sigterm
+
+    def fork_and_terminate() -> tuple:
+        child = multiprocessing.get_context("fork").Process(target=_deadlocked, daemon=True)
+        child.start()
+        child.join(0.5)
+        child.terminate()
+        child.join(10)
+        alive = child.is_alive()
+        if alive:
+            child.kill()
+            child.join()
+        return alive, child.exitcode
+
+    group = ComeraGroup()
+
+    @group.command()
+    def fork():
+        assert signal.getsignal(signal.SIGTERM) is _exit_on_sigterm  # the command's own handler is in place
+        with ThreadPoolExecutor(1) as pool:
+            alive, exitcode = pool.submit(fork_and_terminate).result()
+        click.echo(f"{alive} {exitcode}")
+
+    result = CliRunner().invoke(group, ["fork"])
+    assert result.exit_code == 0, result.output
+    assert result.output.split() == ["False", str(-signal.SIGTERM)]
+
+
 def test_corrupted_weights_are_one_line(dense_dir, tmp_path):
     out = tmp_path / "c"
     run("convert", dense_dir, "--ratio", "3", "--out", out)

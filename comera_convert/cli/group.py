@@ -64,6 +64,18 @@ def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signal.SIGTERM)
 
 
+def _default_sigterm_in_forked_child() -> None:
+    """A process forked while a command runs gets SIGTERM's default back. Python runs a handler only between
+    bytecodes, so a child inheriting ``_exit_on_sigterm`` outlives ``terminate()`` while it waits in C: OpenVINO's
+    telemetry forks a sender that waits in getaddrinfo on an offline machine, and multiprocessing's exit joins
+    it, holding the command at its end for as long as name resolution hangs."""
+    if signal.getsignal(signal.SIGTERM) is _exit_on_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+os.register_at_fork(after_in_child=_default_sigterm_in_forked_child)
+
+
 @click.group(cls=ComeraGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="comera")
 @click.option("-q", "--quiet", is_flag=True, help="Print only errors and --json output: no tables, notes or progress.")
