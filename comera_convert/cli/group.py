@@ -73,7 +73,8 @@ def _default_sigterm_in_forked_child() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-os.register_at_fork(after_in_child=_default_sigterm_in_forked_child)
+if hasattr(os, "register_at_fork"):  # POSIX only: Windows has no fork
+    os.register_at_fork(after_in_child=_default_sigterm_in_forked_child)
 
 
 @click.group(cls=ComeraGroup, context_settings={"help_option_names": ["-h", "--help"]})
