@@ -717,8 +717,8 @@ def assert_took_the_same_course(start, first, second) -> None:
     assert [(h["stage"], h["size"]) for h in histories[0]] == [(h["stage"], h["size"]) for h in histories[1]]
     losses = [[h["loss"] for h in history] for history in histories]
     # Up to the first closure the runs differ only by the clip factor's fifth digit; once entries close, a
-    # near-tie closed the other way round moves a later loss by about a thousandth (1.3e-3 measured on
-    # an Intel CPU), a hundredth of what one batch moves it by.
+    # near-tie closed the other way round moves a later loss by about a thousandth of itself (1.3e-3
+    # measured on CI's CPU), where one batch moves it by hundredths to tenths.
     first_cut = next(i for i, h in enumerate(histories[0]) if h["size"] != histories[0][0]["size"])
     assert losses[0][:first_cut + 1] == pytest.approx(losses[1][:first_cut + 1], rel=1e-4)
     assert losses[0] == pytest.approx(losses[1], rel=5e-3)
