@@ -10,6 +10,8 @@ A table is a block between two markers; the first names its record and may pick 
     ...
     <!-- /record -->
 
+(``rows=key:a|b`` keeps the rows whose key is any of the values; ``None`` picks an empty cell.)
+
 Under each table the block states the record's machine, date, versions, the command that
 reproduces it and the commit it was measured on. A figure in prose cites one cell of a record, and
 the renderer writes the cell between the two comments:
@@ -230,9 +232,10 @@ def render_table(record: dict, options: dict, root: Path = ROOT) -> list[str]:
     rows = record["rows"]
     if "rows" in options:
         key, _, value = options["rows"].partition(":")
-        rows = [row for row in rows if str(row.get(key)) == value]
+        wanted = value.split("|")
+        rows = [row for row in rows if str(row.get(key)) in wanted]
         if not rows:
-            raise RecordError(f"record {name!r} has no row with {key} = {value!r}")
+            raise RecordError(f"record {name!r} has no row with {key} = {' or '.join(map(repr, wanted))}")
     lines = ["| " + " | ".join(column["header"] for column in columns) + " |",
              "|" + "---|" * len(columns)]
     for row in rows:

@@ -223,6 +223,18 @@ def test_a_table_states_its_machine_date_and_command():
     assert "torch 2.13.0+cpu" in caption and "benchmarks/results/serving-minilm.json" in caption
 
 
+def test_a_block_keeps_the_rows_whose_key_is_any_of_its_values():
+    loaded = record.load("serving-frontier-minilm")
+    picked = "None|ratio-2"
+    lines = render.render_table(loaded, {"rows": f"checkpoint:{picked}", "columns": "method,checkpoint"})
+    shown = [line for line in lines[2:] if line.startswith("|")]
+    expected = [row for row in loaded["rows"] if str(row["checkpoint"]) in picked.split("|")]
+    assert len(shown) == len(expected) and 0 < len(expected) < len(loaded["rows"])
+    assert all(line.endswith("|  |") or line.endswith("| ratio-2 |") for line in shown)
+    with pytest.raises(render.RecordError, match="no row with checkpoint = 'ratio-9' or 'ratio-10'"):
+        render.render_table(loaded, {"rows": "checkpoint:ratio-9|ratio-10"})
+
+
 def test_cells_read_as_the_columns_say():
     assert render.format_cell({"value": 0.9, "error": 0.031}, ".3f") == "0.900 ± 0.031"
     assert render.format_cell(None) == "" and render.format_cell("--ratio 4") == "`--ratio 4`"
