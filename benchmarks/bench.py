@@ -1,7 +1,7 @@
 """Speed and memory: run `comera bench` and keep its rows as a record.
 
     python benchmarks/bench.py --name cpu-train-step -- train-step
-    python benchmarks/bench.py --name serving-minilm --title "..." -- inference \
+    python benchmarks/bench.py --name serving-mytask --title "..." -- inference \
         --checkpoint minilm-tt4-trained --pairs man.jsonl --pairs debian.jsonl --texts 400
 
 Everything after ``--`` is passed to `comera bench` (cases and options). Each row of its JSON

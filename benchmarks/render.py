@@ -39,6 +39,7 @@ ship (older ones say so in their caption).
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import shlex
 import sys
@@ -96,12 +97,21 @@ def parse_spec(spec: str, where: str) -> tuple[str, dict]:
     return name, chosen
 
 
+def spread_format(error: float) -> str:
+    """A figure with its spread and no column format: to the spread's second significant digit (1.243 ±
+    0.081, 118.2 ± 3.1), at most three decimals."""
+    if not error:
+        return ".3f"
+    return f".{min(3, max(0, 1 - math.floor(math.log10(abs(error)))))}f"
+
+
 def format_cell(value, spec: str | None = None) -> str:
     """A cell as the table shows it: numbers by the column's format (``.3f``), a figure and its
     standard error as ``0.916 ± 0.031``, nothing measured as an empty cell."""
     if value is None:
         return ""
     if isinstance(value, dict):
+        spec = spec or spread_format(value["error"])
         return f"{format_cell(value['value'], spec)} ± {format_cell(value['error'], spec)}"
     if isinstance(value, (int, float)) and spec:
         return format(value, spec)
